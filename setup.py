@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-megamoe",
+    version="0.1.0",
+    description="Fused expert-parallel MoE (dispatch + expert MLP + combine in one kernel) for vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_megamoe", "vllm_megamoe.*"]),
+    # CUDA sources are JIT-compiled at run time; ship them inside the package.
+    package_data={"vllm_megamoe": ["csrc/**/*", "configs/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.6",
+        "safetensors>=0.4",
+        "PyYAML>=6",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        # GPU kernels: NVRTC + driver API through cuda-python (imported lazily).
+        "cuda": ["cuda-bindings>=12.8"],
+        "vllm": ["vllm>=0.32"],
+        "bench": ["matplotlib>=3.7"],
+        "test": ["pytest>=7", "hypothesis>=6"],
+    },
+    entry_points={
+        "console_scripts": ["vllm-megamoe=vllm_megamoe.cli:main"],
+        "vllm.general_plugins": ["megamoe=vllm_megamoe.plugin:register"],
+    },
+)

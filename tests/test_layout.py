@@ -1,0 +1,84 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from vllm_megamoe import BufferLayout, MoEShape
+from vllm_megamoe.layout import ALIGN_BYTES, WORKSPACE_SLOTS
+
+
+@st.composite
+def layouts(draw):
+    ranks = draw(st.sampled_from([1, 2, 3, 4, 8, 72]))
+    el = draw(st.integers(1, 9))
+    shape = MoEShape(hidden=128 * draw(st.integers(1, 56)), intermediate=128 * draw(st.integers(1, 24)),
+                     num_experts=ranks * el, topk=draw(st.integers(1, min(8, ranks * el))))
+    return BufferLayout(shape, ranks, draw(st.integers(1, 5000)),
+                        draw(st.sampled_from(["fp8-block", "bf16"])),
+                        shared_expert=draw(st.booleans()),
+                        ring_rows=draw(st.one_of(st.none(), st.integers(1, 10000))))
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_regions_aligned_disjoint_and_sized(lay):
+    regs = sorted(lay.regions.values(), key=lambda r: r.offset)
+    end = 0
+    for reg in regs:
+        assert reg.offset % ALIGN_BYTES == 0, reg
+        assert reg.offset >= end, f"{reg.name} overlaps the region before it"
+        end = reg.offset + reg.nbytes
+    assert end <= lay.total_bytes and lay.total_bytes % ALIGN_BYTES == 0
+    s, t = lay.shape, lay.tokens
+    assert t >= lay.max_tokens_per_rank and t % 8 == 0
+    assert lay.region("combine").shape == (s.topk + lay.shared_expert, t, s.hidden)
+    assert lay.region("recv_src_index").shape == (s.num_experts // lay.num_ranks, lay.num_ranks, t)
+    assert lay.staging_rows <= max(lay.max_received_pairs, 8)
+    if lay.ring_rows is not None:
+        assert lay.staging_rows <= lay.ring_rows + 7
+    x = lay.region("x")
+    assert x.dtype == (torch.float8_e4m3fn if lay.format == "fp8-block" else torch.bfloat16)
+
+
+def test_views_and_header():
+    lay = BufferLayout(MoEShape(256, 128, 8, 2), 2, 30)
+    buf = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    x = lay.view(buf, "x")
+    assert x.shape == (32, 256) and x.dtype == torch.float8_e4m3fn
+    x.view(torch.uint8).fill_(7)
+    off = lay.region("x").offset
+    assert buf[off:off + 32 * 256].eq(7).all() and buf[:off].eq(0).all()
+    hdr = lay.c_header()
+    for reg in lay.regions.values():
+        assert f"constexpr uint64_t kOffset_{reg.name} = {reg.offset}ull;" in hdr
+    assert f"constexpr uint32_t kSlot_num_tokens = {WORKSPACE_SLOTS.index('num_tokens')};" in hdr
+    assert "kMaxTokens = 32;" in hdr
+    with pytest.raises(ValueError, match="unknown buffer region"):
+        lay.view(buf, "nope")
+    with pytest.raises(ValueError, match="bytes, layout needs"):
+        lay.view(buf[:100], "x")
+
+
+def test_memory_grows_as_documented():
+    base = BufferLayout(MoEShape(1024, 512, 16, 4), 2, 1024)
+    double_t = BufferLayout(MoEShape(1024, 512, 16, 4), 2, 2048)
+    ring = BufferLayout(MoEShape(1024, 512, 16, 4), 2, 2048, ring_rows=512)
+    assert 1.9 < double_t.total_bytes / base.total_bytes < 2.1
+    assert ring.total_bytes < double_t.total_bytes
+    assert ring.region("staging_l1").shape[0] == 512
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(shape=MoEShape(100, 128, 8, 2)), "hidden=100"),
+    (dict(shape=MoEShape(128, 96, 8, 2)), "intermediate=96"),
+    (dict(shape=MoEShape(128, 128, 9, 2)), "divisible by num_ranks"),
+    (dict(shape=MoEShape(128, 128, 64, 33)), "topk=33"),
+    (dict(shape=MoEShape(128, 128, 2, 4), num_ranks=1), "must not exceed num_experts"),
+    (dict(shape=MoEShape(128, 128, 146, 2), num_ranks=73), "num_ranks=73"),
+    (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
+    (dict(format="fp4"), "format='fp4'"),
+])
+def test_layout_bad_input(kwargs, match):
+    args = dict(shape=MoEShape(128, 128, 8, 2), num_ranks=2, max_tokens_per_rank=16)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        BufferLayout(**args)

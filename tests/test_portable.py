@@ -1,0 +1,118 @@
+import os
+
+import pytest
+import torch
+
+from vllm_megamoe import BarrierTimeoutError, ExpertWeights, MoEShape, SymmBuffer, portable
+from vllm_megamoe.launch import RankFailed, run_ranks
+
+from portable_cases import assert_rows, check_rank, make_case
+
+SHAPE = MoEShape(hidden=256, intermediate=128, num_experts=8, topk=3)
+
+
+def _cases(world):
+    odd = [13, 0, 7, 29, 1, 5, 11, 3][:world]
+    return [([16] * world, "uniform", 1), ([40] * world, "skewed", 2),
+            ([9] * world, "masked", 3), (odd, "uniform", 4), (odd[::-1], "masked", 5)]
+
+
+def _rank_main(rank, world, group, fmt, mode):
+    return check_rank(rank, world, group, SHAPE, fmt, _cases(world), mode=mode)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_single_rank(fmt, mode):
+    rows = check_rank(0, 1, None, SHAPE, fmt, _cases(1), mode=mode)
+    assert_rows([rows], fmt)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_multi_rank_cpu(world, fmt):
+    rows = run_ranks(_rank_main, world, (fmt, "exact"), timeout_s=240)
+    assert_rows(rows, fmt)
+
+
+def test_multi_rank_cpu_padded_mode():
+    rows = run_ranks(_rank_main, 2, ("fp8-block", "padded"), timeout_s=240)
+    assert_rows(rows, "fp8-block")
+
+
+def _rank_repeated(rank, world, group):
+    """Back-to-back calls with new inputs each time: no stale state between calls."""
+    buf = SymmBuffer(SHAPE, 32, group, format="bf16")
+    el = SHAPE.experts_per_rank(world)
+    errs = []
+    for call in range(6):
+        weights, inputs = make_case(SHAPE, "bf16", [32 - 5 * call, 3 + call], "masked", 100 + call)
+        x, idx, tw = inputs[rank]
+        y = portable.mega_moe(x, idx, tw, weights.experts(rank * el, el), buf)
+        from vllm_megamoe import reference
+        w13, w2 = weights.dequantize()
+        errs.append(reference.relative_error(y, reference.moe_forward(x, idx, tw, w13, w2, emulate="bf16")))
+    buf.destroy()
+    return errs
+
+
+def test_back_to_back_calls():
+    for errs in run_ranks(_rank_repeated, 2, timeout_s=240):
+        assert max(errs) < 1e-2, errs
+
+
+def _rank_dies(rank, world, group, shm_dir):
+    os.environ["VLLM_MEGAMOE_SHM_DIR"] = shm_dir
+    buf = SymmBuffer(SHAPE, 8, group, format="bf16", timeout_s=3)
+    left = sorted(os.listdir(shm_dir))
+    if rank == 1:
+        os._exit(17)  # dies before its next call: rank 0 must not hang
+    weights, inputs = make_case(SHAPE, "bf16", [8, 8], "uniform", 7)
+    x, idx, tw = inputs[rank]
+    try:
+        portable.mega_moe(x, idx, tw, weights.experts(0, 4), buf)
+    except BarrierTimeoutError as exc:
+        return ("timeout", str(exc), left)
+    return ("no error", "", left)
+
+
+def test_dead_rank_raises_timeout_and_leaves_no_files(tmp_path):
+    res = run_ranks(_rank_dies, 2, (str(tmp_path),), timeout_s=120, allow_failures=True)
+    assert isinstance(res[1], RankFailed)
+    kind, message, files_after_create = res[0]
+    assert kind == "timeout", res[0]
+    assert "rank 0/2" in message and "'dispatch'" in message and "3 s" in message
+    assert files_after_create == []          # unlinked as soon as every rank mapped them
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_input_is_rejected_before_communication():
+    weights, inputs = make_case(SHAPE, "bf16", [8], "uniform", 1)
+    x, idx, tw = inputs[0]
+    buf = SymmBuffer(SHAPE, 8, None, format="bf16")
+    with pytest.raises(ValueError, match="exceed the SymmBuffer's max_tokens_per_rank=8"):
+        portable.mega_moe(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([tw, tw]), weights, buf)
+    bad = idx.clone()
+    bad[0, 0] = 8
+    with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):
+        portable.mega_moe(x, bad, tw, weights, buf)
+    with pytest.raises(ValueError, match="weights are 'fp8-block'"):
+        fp8, _ = make_case(SHAPE, "fp8-block", [8], "uniform", 1)
+        portable.mega_moe(x, idx, tw, fp8, buf)
+    with pytest.raises(ValueError, match="topk_weights has shape"):
+        portable.mega_moe(x, idx, tw[:, :2], weights, buf)
+    with pytest.raises(ValueError, match="x has dtype"):
+        portable.mega_moe(x.to(torch.int32), idx, tw, weights, buf)
+    big = ExpertWeights.from_float(torch.randn(8, 512, 256), torch.randn(8, 256, 256), "bf16")
+    with pytest.raises(ValueError, match="does not fit the SymmBuffer"):
+        portable.mega_moe(x, idx, tw, big, buf)
+    with pytest.raises(ValueError, match="x has hidden size"):
+        portable.mega_moe(x[:, :128], idx, tw, weights, buf)
+
+
+def test_zero_tokens_single_rank():
+    weights, _ = make_case(SHAPE, "fp8-block", [0], "uniform", 1)
+    buf = SymmBuffer(SHAPE, 8, None)
+    y = portable.mega_moe(torch.zeros(0, 256, dtype=torch.bfloat16), torch.zeros(0, 3, dtype=torch.long),
+                          torch.zeros(0, 3), weights, buf)
+    assert y.shape == (0, 256)

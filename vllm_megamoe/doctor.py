@@ -1,0 +1,65 @@
+"""`vllm-megamoe doctor`: what this environment has and which megamoe path would run here."""
+from __future__ import annotations
+
+import importlib.util
+import platform
+
+import torch
+
+from .ops import select_path
+from .shape import MoEShape
+
+# A V4-Flash-like layer: the shape doctor asks the path oracle about.
+PROBE_SHAPE = MoEShape(hidden=4096, intermediate=2048, num_experts=256, topk=6)
+
+
+def _version(module: str) -> str:
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    try:
+        mod = __import__(module)
+        return getattr(mod, "__version__", "installed")
+    except Exception as exc:  # a broken install is worth reporting, not crashing on
+        return f"installed but fails to import ({type(exc).__name__}: {exc})"
+
+
+def _cuda_bindings_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("cuda-bindings")
+    except Exception:
+        return "not installed"
+
+
+def collect() -> list[tuple[str, str]]:
+    rows = [("python", platform.python_version()),
+            ("torch", torch.__version__),
+            ("torch CUDA", str(torch.version.cuda)),
+            ("cuda-bindings", _cuda_bindings_version()),
+            ("vllm", _version("vllm")),
+            ("deep_gemm", _version("deep_gemm"))]
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rows.append(("GPUs", str(n)))
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        rows.append((f"  cuda:{i}", f"{p.name}, sm{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                     f"{p.total_memory / 2**30:.0f} GiB"))
+    if n > 1:
+        peers = []
+        for i in range(n):
+            ok = [j for j in range(n) if j != i and torch.cuda.can_device_access_peer(i, j)]
+            peers.append(f"{i}->{ok}")
+        rows.append(("peer access", ", ".join(peers)))
+    device = torch.device("cuda", 0) if n else torch.device("cpu")
+    for fmt in ("fp8-block", "bf16"):
+        path, why = select_path(PROBE_SHAPE, fmt, device)
+        rows.append((f"path ({fmt})", f"{path}: {why}"))
+    return rows
+
+
+def run() -> int:
+    rows = collect()
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0

@@ -1,0 +1,83 @@
+"""The op users call, and the oracle that picks which implementation runs it.
+
+Paths: "sm90" (our compiled Hopper mega kernel), "sm100" (DeepGEMM's Blackwell kernel),
+"portable" (torch ops; any device). `select_path` says which one would run and why; setting
+VLLM_MEGAMOE_PATH=portable|sm90|sm100 forces one (an impossible choice is an error).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from . import portable
+from .buffer import SymmBuffer
+from .errors import UnsupportedError
+from .shape import MoEShape, require
+from .weights import ExpertWeights
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("portable", "sm90", "sm100")
+
+
+def _sm90_kernel_available() -> tuple[bool, str]:
+    try:
+        from .kernels import sm90_mega_moe  # noqa: F401  (present once the fused kernel lands)
+    except ImportError:
+        return False, "the SM90 mega kernel is not built into this version yet"
+    return True, "SM90 mega kernel available"
+
+
+def select_path(shape: MoEShape, fmt: str, device) -> tuple[str, str]:
+    """(path, reason) for a layer of `shape` in format `fmt` on `device`."""
+    device = torch.device(device)
+    forced = os.environ.get("VLLM_MEGAMOE_PATH", "auto")
+    require(forced in PATHS + ("auto",),
+            f"VLLM_MEGAMOE_PATH={forced!r} must be one of {PATHS + ('auto',)}")
+    if device.type != "cuda":
+        if forced not in ("auto", "portable"):
+            raise UnsupportedError(f"VLLM_MEGAMOE_PATH={forced} needs a CUDA GPU; device is {device}")
+        return "portable", f"device {device} is not a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm{major}{minor}"
+    if forced == "portable":
+        return "portable", "forced by VLLM_MEGAMOE_PATH=portable"
+    if major == 9:
+        ok, why = _sm90_kernel_available()
+        if ok:
+            return "sm90", f"{arch} GPU, format {fmt}: {why}"
+        if forced == "sm90":
+            raise UnsupportedError(f"VLLM_MEGAMOE_PATH=sm90 but {why}")
+        return "portable", f"{arch} GPU but {why}"
+    if major == 10:
+        if forced == "sm100":
+            raise UnsupportedError("VLLM_MEGAMOE_PATH=sm100: the DeepGEMM SM100 adapter is not "
+                                   "part of this version yet")
+        return "portable", f"{arch} GPU: the DeepGEMM SM100 adapter is not part of this version yet"
+    if forced != "auto":
+        raise UnsupportedError(f"VLLM_MEGAMOE_PATH={forced} cannot run on {arch}")
+    return "portable", f"{arch} GPU has no megamoe kernel (SM90 and SM100 only)"
+
+
+def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             weights: ExpertWeights, buffer: SymmBuffer, *,
+             activation_clamp: Optional[float] = None, path: Optional[str] = None) -> torch.Tensor:
+    """One expert-parallel MoE layer on this rank; a collective over `buffer`'s group.
+
+    x [T, H] bf16; topk_idx [T, K] global expert ids (-1 masks a route); topk_weights [T, K]
+    float32; weights: this rank's experts (rank r owns experts [r*El, (r+1)*El)); returns
+    y [T, H] bf16 = sum_k topk_weights[:, k] * expert(x). Every rank must call it the same
+    number of times, T may differ per rank and may be 0.
+    """
+    if path is None:
+        shape = MoEShape(x.shape[-1], weights.intermediate, weights.num_experts * buffer.num_ranks,
+                         topk_idx.shape[-1])
+        path, _ = select_path(shape, weights.format, x.device)
+    require(path in PATHS, f"path={path!r} must be one of {PATHS}")
+    if path == "portable":
+        return portable.mega_moe(x, topk_idx, topk_weights, weights, buffer,
+                                 activation_clamp=activation_clamp)
+    raise UnsupportedError(f"path {path!r} is not available in this version")

@@ -1,0 +1,282 @@
+"""The portable expert-parallel MoE path: the mega kernel's protocol written with torch ops.
+
+Runs wherever torch runs (CPU shared memory, CUDA symmetric memory, one rank) and is the
+fallback and the oracle of the compiled kernels. One call on rank r:
+
+ 1. stage: write this rank's tokens (FP8 + per-128 scales, or BF16), top-k ids and weights and
+    its token count into its own buffer regions;              barrier "dispatch"
+ 2. pull: read every peer's top-k ids, pick the (token, slot) pairs routed to experts this rank
+    owns, gather those token rows straight from the peers' buffers;
+ 3. experts: L1 GEMM, SwiGLU (optional clamp) x top-k weight, L2 GEMM, rounding where the
+    kernels round (gate/up to BF16, intermediate requantized per 128, output rows BF16);
+ 4. combine: write each output row into the *source* rank's combine[slot][token];
+                                                                 barrier "combine"
+ 5. reduce: sum this rank's own slots in FP32 (masked routes skipped) into y (BF16).
+Two barriers per call suffice: a rank cannot start writing the next call's data before every
+peer has reached that call's first barrier, i.e. finished reading and reducing this one.
+
+Two ways to size step 2-4:
+- "exact" (CPU, or CUDA outside graph capture): reads the peers' token counts on the host and
+  processes exactly the routed pairs.
+- "padded" (CUDA, capturable): no host synchronisation; every peer is assumed to hold at most
+  `max_peer_tokens` tokens (default: as many as this rank, which is what vLLM's DP padding
+  guarantees under CUDA graphs); pairs of peers beyond that bound are dropped and flagged in
+  the workspace `error_flag` (see check_errors). Masked pairs are sorted last and their writes
+  land in the `combine_trash` row.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import quant
+from .buffer import SymmBuffer
+from .errors import MegaMoEError
+from .reference import swiglu
+from .shape import MoEShape, check_tensor, require
+from .weights import ExpertWeights
+
+MODES = ("auto", "exact", "padded")
+ERROR_PEER_TOKENS_OVER_BOUND = 1
+
+
+def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: SymmBuffer) -> MoEShape:
+    """Checks shared by every path; raises ValueError before any communication starts."""
+    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32, torch.float16), ndim=2)
+    t, h = x.shape
+    check_tensor("topk_idx", topk_idx, dtype=(torch.int32, torch.int64), ndim=2)
+    k = topk_idx.shape[1]
+    check_tensor("topk_idx", topk_idx, shape=(t, k))
+    check_tensor("topk_weights", topk_weights, dtype=(torch.float32, torch.bfloat16, torch.float16),
+                 shape=(t, k))
+    require(weights.hidden == h, f"x has hidden size {h} but the expert weights have {weights.hidden}")
+    lay = buffer.layout
+    shape = MoEShape(h, weights.intermediate, weights.num_experts * buffer.num_ranks, k)
+    shape.validate(buffer.num_ranks)
+    require(shape.fits_in(lay.shape),
+            f"layer shape {shape} does not fit the SymmBuffer built for {lay.shape}; build the "
+            "buffer for the largest layer")
+    require(shape.experts_per_rank(buffer.num_ranks) == lay.shape.experts_per_rank(buffer.num_ranks),
+            f"layer has {weights.num_experts} local experts, the buffer was built for "
+            f"{lay.shape.experts_per_rank(buffer.num_ranks)}")
+    require(weights.format == lay.format,
+            f"weights are {weights.format!r} but the SymmBuffer was built for {lay.format!r}")
+    require(t <= lay.tokens,
+            f"{t} tokens on rank {buffer.rank} exceed the SymmBuffer's max_tokens_per_rank="
+            f"{lay.tokens}; raise max_tokens_per_rank (VLLM_MEGAMOE_MAX_TOKENS_PER_RANK) or send "
+            "smaller batches")
+    require(x.device.type == buffer.device.type,
+            f"x is on {x.device} but the SymmBuffer lives on {buffer.device}")
+    if t > 0 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        bad = (topk_idx < -1) | (topk_idx >= shape.num_experts)
+        if bool(bad.any()):
+            raise ValueError(f"topk_idx has expert ids outside [-1, {shape.num_experts}) "
+                             f"(e.g. {topk_idx[bad][0].item()})")
+    return shape
+
+
+def _stage_inputs(x, topk_idx, topk_weights, buffer: SymmBuffer, shape: MoEShape):
+    t, h, k = x.shape[0], shape.hidden, shape.topk
+    if buffer.layout.format == "fp8-block":
+        q, s = quant.quantize_fp8_tokens(x, 128, "float")
+        buffer.view("x")[:t, :h].copy_(q)
+        buffer.view("x_scale")[:t, :h // 128].copy_(s)
+    else:
+        buffer.view("x")[:t, :h].copy_(x)
+    buffer.view("topk_idx")[:t, :k].copy_(topk_idx)
+    buffer.view("topk_weights")[:t, :k].copy_(topk_weights)
+    ws = buffer.view("workspace")
+    ws[buffer.layout.workspace_slot("num_tokens")].fill_(t)
+
+
+def _peer_rows(buffer: SymmBuffer, peer: int, tokens: torch.Tensor, h: int) -> torch.Tensor:
+    """Token rows `tokens` of peer's staged x, dequantized to float32."""
+    rows = buffer.view("x", peer)[tokens, :h]
+    if buffer.layout.format == "fp8-block":
+        scales = buffer.view("x_scale", peer)[tokens, :h // 128]
+        return quant.dequantize_fp8_tokens(rows, scales, 128)
+    return rows.float()
+
+
+def _round_intermediate(act: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "fp8-block":
+        q, s = quant.quantize_fp8_tokens(act, 128, "float")
+        return quant.dequantize_fp8_tokens(q, s, 128)
+    return act.to(torch.bfloat16).float()
+
+
+def _dense_weights(weights: ExpertWeights, dtype: torch.dtype):
+    """(w13, w2) in checkpoint layout as `dtype`, cached on the weights object."""
+    key = ("_portable_dense", dtype)
+    cache = weights.__dict__.setdefault("_portable_cache", {})
+    if key not in cache:
+        w13, w2 = weights.dequantize()
+        cache[key] = (w13.to(dtype).contiguous(), w2.to(dtype).contiguous())
+    return cache[key]
+
+
+def _expert_mlp_loop(rows, pair_weights, weights: ExpertWeights, clamp, counts):
+    """Per-expert matmuls (CPU): rows [P, H] float32 sorted by expert, counts on the host."""
+    w13, w2 = _dense_weights(weights, torch.float32)
+    out = torch.empty(rows.shape[0], weights.hidden, dtype=torch.bfloat16, device=rows.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        act = swiglu(rows[sl] @ w13[e].T, clamp, round_to_bf16=True) * pair_weights[sl, None]
+        act = _round_intermediate(act, weights.format)
+        out[sl] = (act @ w2[e].T).to(torch.bfloat16)
+        start += n
+    return out
+
+
+def _expert_mlp_grouped(rows, pair_weights, weights: ExpertWeights, clamp, offsets):
+    """torch._grouped_mm over experts (CUDA); offsets int32 [El] cumulative ends, on device."""
+    w13, w2 = _dense_weights(weights, torch.bfloat16)
+    gate_up = torch._grouped_mm(rows.to(torch.bfloat16), w13.transpose(1, 2), offs=offsets)
+    act = swiglu(gate_up.float(), clamp, round_to_bf16=True) * pair_weights[:, None]
+    act = _round_intermediate(act, weights.format)
+    return torch._grouped_mm(act.to(torch.bfloat16), w2.transpose(1, 2), offs=offsets)
+
+
+def _write_combine(buffer: SymmBuffer, peer: int, slots, tokens, out_rows, valid=None):
+    """combine[slot][token] of `peer` <- out_rows; rows with valid == False go to the trash row."""
+    c, t, h = buffer.layout.region("combine").shape
+    flat = buffer.view("combine_with_trash", peer)  # [c*t + 1, h]: trash row last
+    dst = slots.long() * t + tokens.long()
+    if valid is not None:
+        dst = torch.where(valid, dst, torch.full_like(dst, c * t))
+    flat[dst, :out_rows.shape[1]] = out_rows.to(torch.bfloat16)
+
+
+def _reduce(buffer: SymmBuffer, topk_idx, t: int, h: int) -> torch.Tensor:
+    k = topk_idx.shape[1]
+    slots = buffer.view("combine")[:k, :t, :h].float()  # [K, T, H]
+    mask = (topk_idx >= 0).T.unsqueeze(-1)               # [K, T, 1]
+    return torch.where(mask, slots, torch.zeros((), device=slots.device)).sum(0).to(torch.bfloat16)
+
+
+def _pull_exact(buffer: SymmBuffer, shape: MoEShape):
+    """(rows float32 [P,H], local expert [P], weight [P], src rank [P], src token [P], slot [P])."""
+    r, el, h = buffer.rank, shape.experts_per_rank(buffer.num_ranks), shape.hidden
+    ntok_slot = buffer.layout.workspace_slot("num_tokens")
+    parts = []
+    for p in range(buffer.num_ranks):
+        tp = int(buffer.view("workspace", p)[ntok_slot].item())
+        idx = buffer.view("topk_idx", p)[:tp, :shape.topk].long()
+        local = (idx >= r * el) & (idx < (r + 1) * el)
+        tok, slot = local.nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w = buffer.view("topk_weights", p)[tok, slot]
+        parts.append((_peer_rows(buffer, p, tok, h), idx[tok, slot] - r * el, w,
+                      torch.full_like(tok, p), tok, slot))
+    if not parts:
+        return None
+    return [torch.cat(col) for col in zip(*parts)]
+
+
+def _forward_exact(buffer, shape, weights, clamp):
+    pulled = _pull_exact(buffer, shape)
+    if pulled is None:
+        return
+    rows, expert, w, src, tok, slot = pulled
+    order = torch.argsort(expert, stable=True)
+    rows, expert, w, src, tok, slot = (a[order] for a in (rows, expert, w, src, tok, slot))
+    el = shape.experts_per_rank(buffer.num_ranks)
+    if rows.is_cuda:
+        offsets = torch.cumsum(torch.bincount(expert, minlength=el), 0).to(torch.int32)
+        out = _expert_mlp_grouped(rows, w.float(), weights, clamp, offsets)
+    else:
+        counts = torch.bincount(expert, minlength=el).tolist()
+        out = _expert_mlp_loop(rows, w.float(), weights, clamp, counts)
+    for p in range(buffer.num_ranks):
+        mine = src == p
+        if bool(mine.any()):
+            _write_combine(buffer, p, slot[mine], tok[mine], out[mine])
+
+
+def _forward_padded(buffer, shape, weights, clamp, bound: int):
+    """Fixed-size version of _forward_exact: no host synchronisation (CUDA graphs)."""
+    r, el, h, k = buffer.rank, shape.experts_per_rank(buffer.num_ranks), shape.hidden, shape.topk
+    dev = buffer.device
+    ntok_slot = buffer.layout.workspace_slot("num_tokens")
+    tok_ids = torch.arange(bound, device=dev)
+    keys, rows, ws = [], [], []
+    for p in range(buffer.num_ranks):
+        tp = buffer.view("workspace", p)[ntok_slot]
+        idx = buffer.view("topk_idx", p)[:bound, :k].long()
+        valid = ((idx >= r * el) & (idx < (r + 1) * el) & (tok_ids < tp)[:, None])
+        keys.append(torch.where(valid, idx - r * el, torch.full_like(idx, el)).reshape(-1))
+        rows.append(_peer_rows(buffer, p, tok_ids, h))
+        ws.append(buffer.view("topk_weights", p)[:bound, :k].reshape(-1))
+        over = (tp > bound).to(torch.int32) * ERROR_PEER_TOKENS_OVER_BOUND
+        err = buffer.view("workspace")[buffer.layout.workspace_slot("error_flag")]
+        err.copy_(torch.maximum(err, over))
+    key = torch.cat(keys)                                   # [R*bound*K]
+    order = torch.argsort(key, stable=True)
+    pair = order                                            # flat index p*bound*K + t*K + slot
+    src, tok, slot = pair // (bound * k), (pair // k) % bound, pair % k
+    x_rows = torch.cat(rows)[src * bound + tok]             # [R*bound*K, H]
+    w = torch.cat(ws)[pair].float()
+    sorted_key = key[order]
+    offsets = torch.cumsum(torch.bincount(sorted_key, minlength=el + 1)[:el], 0).to(torch.int32)
+    valid = sorted_key < el
+    if x_rows.is_cuda:
+        out = _expert_mlp_grouped(x_rows, w, weights, clamp, offsets)
+    else:  # CPU runs of the padded mode (tests): host counts are fine here
+        counts = torch.bincount(sorted_key, minlength=el + 1)[:el].tolist()
+        out = _expert_mlp_loop(x_rows, w, weights, clamp, counts + [0])
+    for p in range(buffer.num_ranks):
+        _write_combine(buffer, p, slot, tok, out, valid & (src == p))
+
+
+def check_errors(buffer: SymmBuffer) -> None:
+    """Raise if a device-side check flagged an error since the last call (host sync)."""
+    slot = buffer.layout.workspace_slot("error_flag")
+    flag = int(buffer.view("workspace")[slot].item())
+    if flag:
+        buffer.view("workspace")[slot].zero_()
+        if flag & ERROR_PEER_TOKENS_OVER_BOUND:
+            raise MegaMoEError(
+                f"rank {buffer.rank}: a peer held more tokens than the padded portable path's "
+                "bound (max_peer_tokens); its extra tokens were dropped. Pass max_peer_tokens, or "
+                "pad every rank to the same token count under CUDA graphs.")
+        raise MegaMoEError(f"rank {buffer.rank}: device error flag {flag:#x}")
+
+
+def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             weights: ExpertWeights, buffer: SymmBuffer, *, activation_clamp: Optional[float] = None,
+             mode: str = "auto", max_peer_tokens: Optional[int] = None) -> torch.Tensor:
+    """One expert-parallel MoE layer on this rank (a collective over buffer's group).
+
+    x [T, H] (bf16), topk_idx [T, K] global expert ids (-1 = masked), topk_weights [T, K];
+    weights: this rank's experts (rank r owns global experts [r*El, (r+1)*El)) in checkpoint
+    layout. Returns y [T, H] bf16 = sum_k w_k * expert_k(x). T may be 0 and may differ per
+    rank. mode: "exact", "padded" or "auto" (padded while a CUDA graph is being captured).
+    """
+    require(mode in MODES, f"mode={mode!r} must be one of {MODES}")
+    shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
+    require(weights.layout == "checkpoint",
+            "the portable path reads checkpoint-layout weights; keep an un-interleaved copy or "
+            "use ExpertWeights.dequantize()")
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if mode == "auto":
+        mode = "padded" if capturing else "exact"
+    require(not (capturing and mode == "exact"),
+            "mode='exact' reads token counts on the host and cannot run under CUDA graph capture")
+    t = x.shape[0]
+    _stage_inputs(x, topk_idx, topk_weights, buffer, shape)
+    buffer.barrier("dispatch")
+    if mode == "exact":
+        _forward_exact(buffer, shape, weights, activation_clamp)
+    else:
+        bound = t if max_peer_tokens is None else int(max_peer_tokens)
+        require(0 <= bound <= buffer.layout.tokens,
+                f"max_peer_tokens={bound} must be in [0, {buffer.layout.tokens}]")
+        if bound > 0:
+            _forward_padded(buffer, shape, weights, activation_clamp, bound)
+    buffer.barrier("combine")
+    return _reduce(buffer, topk_idx, t, shape.hidden)

@@ -1,0 +1,86 @@
+"""The MoE layer shape and the validation rules every path shares.
+
+All rules live here so that Python, the portable path and the compiled kernels reject the same
+inputs with the same message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Limits shared with the kernels (csrc/ reads them from the generated layout header).
+MAX_RANKS = 72
+MAX_TOPK = 32
+CHANNEL_ALIGN = 128  # hidden and intermediate must be multiples of this (FP8 block size)
+
+FORMATS = ("bf16", "fp8-block")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) when condition is false."""
+    if not condition:
+        raise ValueError(message)
+
+
+def check_multiple(name: str, value: int, multiple: int) -> None:
+    require(value > 0 and value % multiple == 0,
+            f"{name}={value} must be a positive multiple of {multiple}")
+
+
+def check_format(fmt: str) -> str:
+    require(fmt in FORMATS, f"format={fmt!r} is not supported; expected one of {FORMATS}")
+    return fmt
+
+
+def check_tensor(name: str, t: torch.Tensor, *, dtype=None, ndim=None, shape=None,
+                 contiguous: bool = False) -> None:
+    """Check a tensor argument; the error names the argument and what was expected."""
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+        require(t.dtype in dtypes, f"{name} has dtype {t.dtype}, expected "
+                + " or ".join(str(d) for d in dtypes))
+    if ndim is not None:
+        require(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None:
+        want = tuple(shape)
+        ok = len(want) == t.dim() and all(w is None or w == s for w, s in zip(want, t.shape))
+        pretty = tuple("*" if w is None else w for w in want)
+        require(ok, f"{name} has shape {tuple(t.shape)}, expected {pretty}")
+    if contiguous:
+        require(t.is_contiguous(), f"{name} must be contiguous (call .contiguous() first)")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Sizes of one MoE layer (global view: num_experts counts every rank's experts).
+
+    hidden: model width H (token rows); intermediate: expert width I (w13 has 2*I rows).
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    topk: int
+
+    def validate(self, num_ranks: int = 1) -> "MoEShape":
+        check_multiple("hidden", self.hidden, CHANNEL_ALIGN)
+        check_multiple("intermediate", self.intermediate, CHANNEL_ALIGN)
+        require(self.num_experts > 0, f"num_experts={self.num_experts} must be positive")
+        require(1 <= self.topk <= MAX_TOPK, f"topk={self.topk} must be in [1, {MAX_TOPK}]")
+        require(self.topk <= self.num_experts,
+                f"topk={self.topk} must not exceed num_experts={self.num_experts}")
+        require(1 <= num_ranks <= MAX_RANKS, f"num_ranks={num_ranks} must be in [1, {MAX_RANKS}]")
+        require(self.num_experts % num_ranks == 0,
+                f"num_experts={self.num_experts} must be divisible by num_ranks={num_ranks} "
+                "(every rank owns the same number of experts)")
+        return self
+
+    def experts_per_rank(self, num_ranks: int) -> int:
+        return self.num_experts // num_ranks
+
+    def fits_in(self, other: "MoEShape") -> bool:
+        """True when a buffer built for `other` can serve a layer of this shape."""
+        return (self.hidden <= other.hidden and self.intermediate <= other.intermediate
+                and self.num_experts <= other.num_experts and self.topk <= other.topk)

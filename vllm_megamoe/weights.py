@@ -1,0 +1,115 @@
+"""Expert weights of one MoE layer in one of the supported formats and layouts.
+
+Layouts:
+- "checkpoint": vLLM's order, w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I].
+- "interleaved": w13 rows interleaved gate/up at granularity 8 (what the SM90 kernel reads);
+  FP8 block scales stay in checkpoint order (the kernel maps each row back, see
+  transforms.interleaved_row_to_source_row), w2 unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from . import quant, transforms
+from .shape import check_format, check_tensor, require
+
+LAYOUTS = ("checkpoint", "interleaved")
+WEIGHT_BLOCK = (128, 128)
+
+
+@dataclass
+class ExpertWeights:
+    """One layer's local experts. E is the number of experts on this rank."""
+
+    format: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: Optional[torch.Tensor] = None  # fp8-block: float32 [E, 2I/128, H/128] (scale_inv)
+    w2_scale: Optional[torch.Tensor] = None   # fp8-block: float32 [E, H/128, I/128]
+    layout: str = "checkpoint"
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w13.shape[1] // 2
+
+    def validate(self) -> None:
+        check_format(self.format)
+        require(self.layout in LAYOUTS, f"layout={self.layout!r} must be one of {LAYOUTS}")
+        wdtype = torch.bfloat16 if self.format == "bf16" else quant.FP8_DTYPE
+        check_tensor("w13", self.w13, dtype=wdtype, ndim=3)
+        e, two_i, h = self.w13.shape
+        require(two_i % 2 == 0, f"w13 has {two_i} rows; expected 2*intermediate (gate and up)")
+        i = two_i // 2
+        check_tensor("w2", self.w2, dtype=wdtype, shape=(e, h, i))
+        if self.format == "fp8-block":
+            require(self.w13_scale is not None and self.w2_scale is not None,
+                    "format='fp8-block' needs w13_scale and w2_scale (float32 128x128 block scale_inv)")
+            check_tensor("w13_scale", self.w13_scale, dtype=torch.float32,
+                         shape=(e, -(-two_i // 128), -(-h // 128)))
+            check_tensor("w2_scale", self.w2_scale, dtype=torch.float32,
+                         shape=(e, -(-h // 128), -(-i // 128)))
+        else:
+            require(self.w13_scale is None and self.w2_scale is None,
+                    "format='bf16' takes no scales; pass format='fp8-block' for quantized weights")
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, format: str) -> "ExpertWeights":
+        """Quantize float weights in checkpoint layout into `format`."""
+        check_format(format)
+        if format == "bf16":
+            return cls("bf16", w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous())
+        q13, s13 = quant.quantize_fp8_blocks(w13, WEIGHT_BLOCK)
+        q2, s2 = quant.quantize_fp8_blocks(w2, WEIGHT_BLOCK)
+        return cls("fp8-block", q13, q2, s13, s2)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (w13, w2) in checkpoint layout."""
+        w13, w2 = self.w13, self.w2
+        if self.layout == "interleaved":
+            # Scales are in checkpoint row order, so undo the interleave before applying them.
+            w13 = transforms.deinterleave_gate_up(w13.view(torch.uint8)).view(w13.dtype)
+        if self.format == "fp8-block":
+            w13 = quant.dequantize_fp8_blocks(w13, self.w13_scale, WEIGHT_BLOCK)
+            w2 = quant.dequantize_fp8_blocks(w2, self.w2_scale, WEIGHT_BLOCK)
+        return w13.float(), w2.float()
+
+    def experts(self, start: int, count: int) -> "ExpertWeights":
+        """A view of experts [start, start+count) (e.g. one rank's share of a global layer)."""
+        sl = slice(start, start + count)
+        pick = (lambda t: None if t is None else t[sl])
+        return replace(self, w13=self.w13[sl], w2=self.w2[sl],
+                       w13_scale=pick(self.w13_scale), w2_scale=pick(self.w2_scale))
+
+    def to(self, device) -> "ExpertWeights":
+        move = (lambda t: None if t is None else t.to(device))
+        return replace(self, w13=move(self.w13), w2=move(self.w2),
+                       w13_scale=move(self.w13_scale), w2_scale=move(self.w2_scale))
+
+
+def transform_weights_for_mega_moe(weights: ExpertWeights, arch: str = "sm90") -> ExpertWeights:
+    """Checkpoint-layout weights -> the layout the `arch` mega kernel reads.
+
+    sm90: L1 rows interleaved gate/up at granularity 8; block scales and L2 unchanged.
+    Idempotent: weights already in the kernel layout are returned as they are.
+    """
+    require(arch == "sm90", f"arch={arch!r}: only 'sm90' weights are produced here "
+            "(sm100 conversion is part of the Blackwell adapter)")
+    if weights.layout == "interleaved":
+        return weights
+    return replace(weights, w13=transforms.interleave_gate_up(weights.w13), layout="interleaved")
