@@ -14,6 +14,7 @@ setup(
     include_package_data=True,
     install_requires=[
         "torch>=2.6",
+        "numpy",  # torch.distributed's object collectives (buffer set-up) need it
         "safetensors>=0.4",
         "PyYAML>=6",
         "tqdm>=4.60",

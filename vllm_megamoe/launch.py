@@ -30,15 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, pg_timeout_s, env):
+# NVLink multicast stays off: it is not needed and can take shared GPUs out of service.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _worker(rank, world_size, port, fn, args, queue, pg_timeout_s, env, backend):
     import torch
     import torch.distributed as dist
+    os.environ.update(SAFE_ENV)
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+                                timeout=datetime.timedelta(seconds=pg_timeout_s), **kwargs)
         result = fn(rank, world_size, dist.group.WORLD, *args)
         queue.put((rank, True, result))
     except BaseException as exc:  # report everything, including SystemExit from a test
@@ -53,16 +63,17 @@ def _worker(rank, world_size, port, fn, args, queue, pg_timeout_s, env):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
               timeout_s: float = 300.0, pg_timeout_s: float = 60.0, env: dict | None = None,
-              allow_failures: bool = False) -> list:
+              allow_failures: bool = False, backend: str = "gloo") -> list:
     """Run fn(rank, world_size, group, *args) on `world_size` processes; return their results.
 
+    backend "gloo" (CPU) or "nccl" (rank r uses cuda:r and the group is an NCCL group).
     With allow_failures=True, a failed rank's entry is a RankFailed instead of raising.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout_s,
-                                               dict(env or {})), daemon=True)
+                                               dict(env or {}), backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -91,8 +102,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
     for r in range(world_size):
         results.setdefault(r, RankFailed(r, f"no result within {timeout_s:g} s"))
     ordered = [results[r] for r in range(world_size)]
-    if not allow_failures:
-        for res in ordered:
-            if isinstance(res, RankFailed):
-                raise res
+    failed = [res for res in ordered if isinstance(res, RankFailed)]
+    if failed and not allow_failures:
+        if len(failed) == 1:
+            raise failed[0]
+        # Report every failed rank: the first one is often only the victim of another's crash.
+        raise RankFailed(failed[0].rank, "several ranks failed:\n" + "\n".join(str(f) for f in failed))
     return ordered

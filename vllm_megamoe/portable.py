@@ -116,6 +116,12 @@ def _dense_weights(weights: ExpertWeights, dtype: torch.dtype):
     return cache[key]
 
 
+def _count(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """Occurrences of 0..n-1 in keys (bincount without its host synchronisation)."""
+    counts = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    return counts.scatter_add_(0, keys, torch.ones_like(keys))
+
+
 def _expert_mlp_loop(rows, pair_weights, weights: ExpertWeights, clamp, counts):
     """Per-expert matmuls (CPU): rows [P, H] float32 sorted by expert, counts on the host."""
     w13, w2 = _dense_weights(weights, torch.float32)
@@ -187,10 +193,10 @@ def _forward_exact(buffer, shape, weights, clamp):
     rows, expert, w, src, tok, slot = (a[order] for a in (rows, expert, w, src, tok, slot))
     el = shape.experts_per_rank(buffer.num_ranks)
     if rows.is_cuda:
-        offsets = torch.cumsum(torch.bincount(expert, minlength=el), 0).to(torch.int32)
+        offsets = torch.cumsum(_count(expert, el), 0).to(torch.int32)
         out = _expert_mlp_grouped(rows, w.float(), weights, clamp, offsets)
     else:
-        counts = torch.bincount(expert, minlength=el).tolist()
+        counts = _count(expert, el).tolist()
         out = _expert_mlp_loop(rows, w.float(), weights, clamp, counts)
     for p in range(buffer.num_ranks):
         mine = src == p
@@ -222,13 +228,13 @@ def _forward_padded(buffer, shape, weights, clamp, bound: int):
     x_rows = torch.cat(rows)[src * bound + tok]             # [R*bound*K, H]
     w = torch.cat(ws)[pair].float()
     sorted_key = key[order]
-    offsets = torch.cumsum(torch.bincount(sorted_key, minlength=el + 1)[:el], 0).to(torch.int32)
+    counts = _count(sorted_key, el + 1)[:el]
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
     valid = sorted_key < el
     if x_rows.is_cuda:
         out = _expert_mlp_grouped(x_rows, w, weights, clamp, offsets)
     else:  # CPU runs of the padded mode (tests): host counts are fine here
-        counts = torch.bincount(sorted_key, minlength=el + 1)[:el].tolist()
-        out = _expert_mlp_loop(x_rows, w, weights, clamp, counts + [0])
+        out = _expert_mlp_loop(x_rows, w, weights, clamp, counts.tolist())
     for p in range(buffer.num_ranks):
         _write_combine(buffer, p, slot, tok, out, valid & (src == p))
 

@@ -1,0 +1,68 @@
+"""Shared pieces of the benchmarks: standard shapes, problem generation on the GPU, timing."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from vllm_megamoe import ExpertWeights, MoEShape, quant
+
+STANDARD_SHAPES = {
+    "v4-flash": MoEShape(hidden=4096, intermediate=2048, num_experts=256, topk=6),
+    "deepseek-v3": MoEShape(hidden=7168, intermediate=2048, num_experts=256, topk=8),
+    "qwen3-30b-a3b": MoEShape(hidden=2048, intermediate=768, num_experts=128, topk=8),
+}
+
+
+def local_weights(shape: MoEShape, num_ranks: int, rank: int, fmt: str, device) -> ExpertWeights:
+    """Random weights of this rank's experts, built expert by expert on the GPU (bounded memory)."""
+    el, h, i = shape.experts_per_rank(num_ranks), shape.hidden, shape.intermediate
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    dt = torch.bfloat16
+    if fmt == "bf16":
+        w13 = torch.empty(el, 2 * i, h, dtype=dt, device=device)
+        w2 = torch.empty(el, h, i, dtype=dt, device=device)
+        for e in range(el):
+            w13[e] = torch.randn(2 * i, h, generator=gen, device=device, dtype=dt) / h ** 0.5
+            w2[e] = torch.randn(h, i, generator=gen, device=device, dtype=dt) / i ** 0.5
+        return ExpertWeights("bf16", w13, w2)
+    w13 = torch.empty(el, 2 * i, h, dtype=quant.FP8_DTYPE, device=device)
+    w2 = torch.empty(el, h, i, dtype=quant.FP8_DTYPE, device=device)
+    s13 = torch.empty(el, 2 * i // 128, h // 128, dtype=torch.float32, device=device)
+    s2 = torch.empty(el, h // 128, i // 128, dtype=torch.float32, device=device)
+    for e in range(el):
+        w13[e], s13[e] = quant.quantize_fp8_blocks(
+            torch.randn(2 * i, h, generator=gen, device=device, dtype=dt) / h ** 0.5)
+        w2[e], s2[e] = quant.quantize_fp8_blocks(
+            torch.randn(h, i, generator=gen, device=device, dtype=dt) / i ** 0.5)
+    return ExpertWeights("fp8-block", w13, w2, s13, s2)
+
+
+def routing(shape: MoEShape, tokens: int, device, gen: torch.Generator, skew: float = 0.0):
+    """Top-k ids without repeats; skew > 0 draws experts Zipf-like (expert e weight 1/(e+1)^skew)."""
+    probs = torch.ones(shape.num_experts, device=device)
+    if skew > 0:
+        probs = 1.0 / torch.arange(1, shape.num_experts + 1, device=device).float() ** skew
+    probs = probs.expand(tokens, -1) if tokens else probs[None][:0]
+    idx = torch.multinomial(probs, shape.topk, replacement=False, generator=gen)
+    w = torch.rand(tokens, shape.topk, device=device, generator=gen)
+    return idx, w / w.sum(-1, keepdim=True)
+
+
+def median_us(times_ms: list[float]) -> float:
+    return statistics.median(times_ms) * 1e3
+
+
+def time_calls(fn, iters: int, before=None) -> list[float]:
+    """Per-call times (ms) with CUDA events; `before(i)` runs untimed before call i."""
+    out = []
+    for i in range(iters):
+        if before is not None:
+            before(i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out

@@ -1,0 +1,91 @@
+"""The portable path on 1 and 2 GPUs, eager and under CUDA graph capture (marked gpu)."""
+import pytest
+import torch
+
+from vllm_megamoe import MoEShape, SymmBuffer, portable, reference
+from vllm_megamoe.launch import run_ranks
+
+from portable_cases import EMULATED_BOUND, EXACT_BOUND, assert_rows, check_rank, make_case
+
+SHAPES = [MoEShape(hidden=256, intermediate=128, num_experts=8, topk=3),
+          MoEShape(hidden=1024, intermediate=512, num_experts=32, topk=4)]
+
+
+def _cases(world):
+    odd = [13, 0, 7, 29][:world]
+    return [([16] * world, "uniform", 1), ([200] * world, "skewed", 2), ([9] * world, "masked", 3),
+            (odd, "uniform", 4), (odd[::-1], "masked", 5), ([1000] * world, "uniform", 6)]
+
+
+def _rank_main(rank, world, group, shape, fmt, mode):
+    return check_rank(rank, world, group, shape, fmt, _cases(world), device=f"cuda:{rank}", mode=mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_portable_one_gpu(shape, fmt, mode):
+    rows = _rank_main(0, 1, None, shape, fmt, mode)
+    assert_rows([rows], fmt)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_portable_two_gpus(fmt, mode):
+    rows = run_ranks(_rank_main, 2, (SHAPES[1], fmt, mode), backend="nccl", timeout_s=300)
+    assert_rows(rows, fmt)
+
+
+def _graph_rank(rank, world, group, shape, fmt, tokens):
+    """Capture one call, then replay it with fresh inputs copied into the static tensors."""
+    dev = torch.device("cuda", rank if world > 1 else torch.cuda.current_device())
+    el = shape.experts_per_rank(world)
+    weights, inputs = make_case(shape, fmt, [tokens] * world, "masked", 50)
+    local = weights.experts(rank * el, el).to(dev)
+    buf = SymmBuffer(shape, tokens, group, format=fmt, device=dev)
+    x, idx, tw = (t.to(dev) for t in inputs[rank])
+    static = [x.clone(), idx.clone(), tw.clone()]
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):  # warm-up: caches weights and lazy state outside capture
+        portable.mega_moe(*static, local, buf, mode="padded")
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = portable.mega_moe(*static, local, buf)
+    errs = []
+    w13, w2 = weights.dequantize()
+    for replay in range(4):
+        _, fresh = make_case(shape, fmt, [tokens] * world, ["uniform", "skewed", "masked"][replay % 3],
+                             200 + replay)
+        x, idx, tw = fresh[rank]
+        for dst, src in zip(static, (x, idx, tw)):
+            dst.copy_(src.to(dev))
+        y_static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        emulate = "fp8" if fmt == "fp8-block" else "bf16"
+        ref = reference.moe_forward(x, idx, tw, w13, w2, emulate=emulate)
+        errs.append(reference.relative_error(y_static.cpu(), ref))
+    portable.check_errors(buf)
+    buf.destroy()
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_cuda_graph_one_gpu(fmt):
+    errs = _graph_rank(0, 1, None, SHAPES[1], fmt, 64)
+    assert max(errs) <= EMULATED_BOUND[fmt], errs
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_cuda_graph_two_gpus(fmt):
+    for errs in run_ranks(_graph_rank, 2, (SHAPES[1], fmt, 64), backend="nccl", timeout_s=300):
+        assert max(errs) <= EMULATED_BOUND[fmt], errs
