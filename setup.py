@@ -21,7 +21,7 @@ setup(
     ],
     extras_require={
         # GPU kernels: NVRTC + driver API through cuda-python (imported lazily).
-        "cuda": ["cuda-bindings>=12.8"],
+        "cuda": ["cuda-bindings>=13.0,<14", "nvidia-cuda-nvrtc>=13.0,<14"],
         "vllm": ["vllm>=0.32"],
         "bench": ["matplotlib>=3.7"],
         "test": ["pytest>=7", "hypothesis>=6"],

@@ -1,0 +1,116 @@
+// Thin wrappers over Hopper PTX: mbarriers, fences, named barriers, register reallocation,
+// conversions. Each one maps to one or two instructions; no policy lives here.
+#pragma once
+#include "common.cuh"
+
+namespace megamoe {
+
+MEGAMOE_DEVICE u32 smem_addr(const void* ptr) {
+  return static_cast<u32>(__cvta_generic_to_shared(ptr));
+}
+
+MEGAMOE_DEVICE u32 lane_id() {
+  u32 lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
+// Warp index made warp-uniform so the compiler can branch on it without divergence.
+MEGAMOE_DEVICE int warp_uniform_warp_idx() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
+}
+
+// ---------------------------------------------------------------- mbarrier
+MEGAMOE_DEVICE void mbarrier_init(u64* bar, u32 arrival_count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrival_count));
+}
+
+// Makes barrier initialisation visible to the async proxy (TMA) and to other threads.
+MEGAMOE_DEVICE void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+MEGAMOE_DEVICE void mbarrier_arrive(u64* bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+// Counts one arrival and announces `bytes` of transactions (TMA completions) for this phase.
+MEGAMOE_DEVICE void mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}" ::"r"(
+                   smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+MEGAMOE_DEVICE bool mbarrier_try_wait(u64* bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Blocks until the phase with the given parity has completed. Traps after
+// MEGAMOE_WAIT_TIMEOUT_CYCLES so a protocol bug shows up as an error, not a hung GPU.
+// kReport prints which wait gave up first; only warps that issue no wgmma may use it, because
+// any function call (printf) in a kernel makes ptxas serialise every wgmma (C7510).
+template <bool kReport = false>
+MEGAMOE_DEVICE void mbarrier_wait(u64* bar, u32 parity, int tag) {
+  if (mbarrier_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbarrier_try_wait(bar, parity)) {
+    if (clock64() - start > MEGAMOE_WAIT_TIMEOUT_CYCLES) {
+      if constexpr (kReport) {
+        printf("megamoe: mbarrier wait timed out (tag %d, block %d, thread %d, parity %u)\n", tag,
+               static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), parity);
+      }
+      asm volatile("trap;");
+    }
+  }
+}
+
+// ---------------------------------------------------------------- fences and barriers
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
+// (wgmma / TMA store reading data written with st.shared).
+MEGAMOE_DEVICE void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+MEGAMOE_DEVICE void named_barrier_sync(u32 id, u32 num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+// ---------------------------------------------------------------- register reallocation
+template <u32 kRegs>
+MEGAMOE_DEVICE void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <u32 kRegs>
+MEGAMOE_DEVICE void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// ---------------------------------------------------------------- conversions
+// Two floats to packed bf16x2 (round to nearest even); `lo` lands in the low 16 bits.
+MEGAMOE_DEVICE u32 pack_bf16x2(float lo, float hi) {
+  u32 out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+MEGAMOE_DEVICE bf16_bits float_to_bf16(float x) {
+  u16 out;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(x));
+  return out;
+}
+
+// ---------------------------------------------------------------- loads
+// Read-only, L1-cached global load for small metadata (scales, offsets).
+MEGAMOE_DEVICE float ldg_float(const float* ptr) { return __ldg(ptr); }
+MEGAMOE_DEVICE int ldg_int(const int* ptr) { return __ldg(ptr); }
+
+}  // namespace megamoe

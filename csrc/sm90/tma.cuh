@@ -1,0 +1,31 @@
+// Bulk tensor copies (TMA) from global to shared memory, completing on an mbarrier.
+// The tensor maps are encoded on the host (vllm_megamoe/kernels/tma.py) with 128-byte swizzle,
+// which matches the wgmma K-major SWIZZLE_128B descriptors built in wgmma.cuh.
+#pragma once
+#include "ptx.cuh"
+
+namespace megamoe {
+
+MEGAMOE_DEVICE void tma_prefetch_descriptor(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
+
+// Box at coordinates (c0 innermost, c1) of a 2-D tensor map.
+MEGAMOE_DEVICE void tma_load_2d(const TensorMap* map, void* smem_dst, u64* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<u64>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// Box at coordinates (c0 innermost, c1, c2) of a 3-D tensor map.
+MEGAMOE_DEVICE void tma_load_3d(const TensorMap* map, void* smem_dst, u64* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<u64>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+}  // namespace megamoe

@@ -1,0 +1,47 @@
+// Warpgroup MMA: shared-memory matrix descriptors and the async fence/commit/wait protocol.
+// The per-shape instruction wrappers are generated into wgmma_ops.cuh.
+#pragma once
+#include "ptx.cuh"
+#include "wgmma_ops.cuh"
+
+namespace megamoe {
+
+// Descriptor for a K-major operand tile stored with the 128-byte swizzle that TMA writes:
+// each row holds 128 bytes of K, 8-row groups are 1024 bytes apart (stride byte offset), the
+// tile base is 1024-byte aligned (base offset 0) and the leading byte offset is unused.
+// Moving along K inside the 128-byte row is done by adding bytes/16 to the start address.
+MEGAMOE_DEVICE u64 make_smem_desc_k_major_sw128(const void* smem_tile) {
+  const u64 start = static_cast<u64>((smem_addr(smem_tile) & 0x3FFFF) >> 4);
+  const u64 leading_byte_offset = 0;
+  const u64 stride_byte_offset = 1024 >> 4;
+  const u64 layout_swizzle_128b = 1;
+  return start | (leading_byte_offset << 16) | (stride_byte_offset << 32) | (layout_swizzle_128b << 62);
+}
+
+// Must precede the first wgmma that reads registers/shared memory written by ordinary code.
+MEGAMOE_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+MEGAMOE_DEVICE void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int kPendingGroups>
+MEGAMOE_DEVICE void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPendingGroups) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across the async MMA boundary.
+template <int kCount>
+MEGAMOE_DEVICE void fence_accumulators(float (&regs)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(regs[i])::"memory");
+}
+
+// Where accumulator element i of an m64nN fragment lives, for thread `lane` of warp
+// `warp_in_wg`: row in [0, 64) on the M side, column in [0, N) on the N side.
+// Per 8-column chunk j, elements 4j..4j+3 are (row r, col c), (r, c+1), (r+8, c), (r+8, c+1)
+// with r = 16*warp + lane/4 and c = 8j + 2*(lane%4).
+MEGAMOE_DEVICE int accum_row(int i, int warp_in_wg, int lane) {
+  return 16 * warp_in_wg + lane / 4 + 8 * ((i >> 1) & 1);
+}
+MEGAMOE_DEVICE int accum_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane % 4) + (i & 1); }
+
+}  // namespace megamoe
