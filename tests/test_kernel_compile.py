@@ -161,3 +161,28 @@ def test_nvcc_and_nvrtc_agree_on_resources(private_cache):
     compiled = jit.compile_kernel(spec, "nvcc")
     assert compiled.cubin[:4] == b"\x7fELF"
     assert _resources(compiled.log)[1] == 0
+
+
+# ----------------------------------------------------------------------------- fused mega kernel
+FUSED_CASES = [("v4-flash", 4096, 2048, 256, 6), ("deepseek-v3", 7168, 2048, 256, 8),
+               ("qwen3-30b-a3b", 2048, 768, 128, 8)]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+@pytest.mark.parametrize("name,hidden,inter,experts,topk", FUSED_CASES)
+def test_fused_mega_kernel_compiles_for_sm90a(private_cache, name, hidden, inter, experts, topk, fmt):
+    """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    shape = MoEShape(hidden, inter, experts, topk)
+
+    class _Buf:  # what kernel_spec reads of a SymmBuffer
+        layout = BufferLayout(shape, 2, 4096, fmt)
+
+    spec = sm90_mega_moe.kernel_spec(shape, _Buf())
+    compiled = jit.compile_kernel(spec, "nvrtc")
+    assert len(compiled.cubin) > 10_000
+    _, spills = _resources(compiled.log)
+    assert spills == 0, compiled.log

@@ -185,6 +185,20 @@ class BufferLayout:
                      f"({self.total_bytes / 2**20:.1f} MiB)")
         return "\n".join(lines)
 
+    def c_defines(self) -> dict:
+        """The layout as -D defines (MEGAMOE_*) for the JIT-compiled kernels."""
+        s = self.shape
+        out = {"MEGAMOE_NUM_RANKS": self.num_ranks,
+               "MEGAMOE_NUM_LOCAL_EXPERTS": s.experts_per_rank(self.num_ranks),
+               "MEGAMOE_MAX_TOKENS": self.tokens,
+               "MEGAMOE_BUF_HIDDEN": s.hidden, "MEGAMOE_BUF_INTERMEDIATE": s.intermediate,
+               "MEGAMOE_BUF_TOPK": s.topk, "MEGAMOE_STAGING_ROWS": self.staging_rows}
+        for reg in self.regions.values():
+            out[f"MEGAMOE_OFF_{reg.name}"] = f"{reg.offset}ull"
+        for i, slot in enumerate(WORKSPACE_SLOTS):
+            out[f"MEGAMOE_SLOT_{slot}"] = i
+        return out
+
     def c_header(self) -> str:
         """A C++ header with every region's offset and shape, for the kernels."""
         s = self.shape

@@ -23,16 +23,8 @@ logger = logging.getLogger(__name__)
 PATHS = ("portable", "sm90", "sm100")
 
 
-def _sm90_kernel_available() -> tuple[bool, str]:
-    try:
-        from .kernels import sm90_mega_moe  # noqa: F401  (present once the fused kernel lands)
-    except ImportError:
-        return False, "the SM90 mega kernel is not built into this version yet"
-    return True, "SM90 mega kernel available"
-
-
-def select_path(shape: MoEShape, fmt: str, device) -> tuple[str, str]:
-    """(path, reason) for a layer of `shape` in format `fmt` on `device`."""
+def select_path(shape: MoEShape, fmt: str, device, num_ranks: int = 1) -> tuple[str, str]:
+    """(path, reason) for a layer of `shape` in format `fmt` on `device` with `num_ranks` EP ranks."""
     device = torch.device(device)
     forced = os.environ.get("VLLM_MEGAMOE_PATH", "auto")
     require(forced in PATHS + ("auto",),
@@ -46,12 +38,13 @@ def select_path(shape: MoEShape, fmt: str, device) -> tuple[str, str]:
     if forced == "portable":
         return "portable", "forced by VLLM_MEGAMOE_PATH=portable"
     if major == 9:
-        ok, why = _sm90_kernel_available()
+        from .kernels import sm90_mega_moe
+        ok, why = sm90_mega_moe.supports(shape, fmt, num_ranks)
         if ok:
-            return "sm90", f"{arch} GPU, format {fmt}: {why}"
+            return "sm90", f"{arch} GPU, format {fmt}: fused SM90 mega kernel"
         if forced == "sm90":
-            raise UnsupportedError(f"VLLM_MEGAMOE_PATH=sm90 but {why}")
-        return "portable", f"{arch} GPU but {why}"
+            raise UnsupportedError(f"VLLM_MEGAMOE_PATH=sm90 but the SM90 kernel cannot run this layer: {why}")
+        return "portable", f"{arch} GPU but the SM90 kernel cannot run this layer: {why}"
     if major == 10:
         if forced == "sm100":
             raise UnsupportedError("VLLM_MEGAMOE_PATH=sm100: the DeepGEMM SM100 adapter is not "
@@ -75,9 +68,13 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if path is None:
         shape = MoEShape(x.shape[-1], weights.intermediate, weights.num_experts * buffer.num_ranks,
                          topk_idx.shape[-1])
-        path, _ = select_path(shape, weights.format, x.device)
+        path, _ = select_path(shape, weights.format, x.device, buffer.num_ranks)
     require(path in PATHS, f"path={path!r} must be one of {PATHS}")
     if path == "portable":
         return portable.mega_moe(x, topk_idx, topk_weights, weights, buffer,
                                  activation_clamp=activation_clamp)
+    if path == "sm90":
+        from .kernels import sm90_mega_moe
+        return sm90_mega_moe.mega_moe(x, topk_idx, topk_weights, weights, buffer,
+                                      activation_clamp=activation_clamp)
     raise UnsupportedError(f"path {path!r} is not available in this version")

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import quant
+from . import portable_gemm, quant
 from .buffer import SymmBuffer
 from .errors import MegaMoEError
 from .reference import swiglu
@@ -38,7 +38,10 @@ from .shape import MoEShape, check_tensor, require
 from .weights import ExpertWeights
 
 MODES = ("auto", "exact", "padded")
+# Bits of the workspace error flag (shared with csrc/sm90/mega/config.cuh).
 ERROR_PEER_TOKENS_OVER_BOUND = 1
+ERROR_STAGING_OVERFLOW = 2
+ERROR_BAD_EXPERT_ID = 4
 
 
 def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: SymmBuffer) -> MoEShape:
@@ -90,13 +93,16 @@ def _stage_inputs(x, topk_idx, topk_weights, buffer: SymmBuffer, shape: MoEShape
     ws[buffer.layout.workspace_slot("num_tokens")].fill_(t)
 
 
-def _peer_rows(buffer: SymmBuffer, peer: int, tokens: torch.Tensor, h: int) -> torch.Tensor:
-    """Token rows `tokens` of peer's staged x, dequantized to float32."""
+def _peer_rows(buffer: SymmBuffer, peer: int, tokens: torch.Tensor, h: int):
+    """Token rows `tokens` of peer's staged x as (values, per-128 scales or None for BF16)."""
     rows = buffer.view("x", peer)[tokens, :h]
     if buffer.layout.format == "fp8-block":
-        scales = buffer.view("x_scale", peer)[tokens, :h // 128]
-        return quant.dequantize_fp8_tokens(rows, scales, 128)
-    return rows.float()
+        return rows, buffer.view("x_scale", peer)[tokens, :h // 128]
+    return rows, None
+
+
+def _dequantized(rows_q: torch.Tensor, rows_s) -> torch.Tensor:
+    return rows_q.float() if rows_s is None else quant.dequantize_fp8_tokens(rows_q, rows_s, 128)
 
 
 def _round_intermediate(act: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -122,9 +128,10 @@ def _count(keys: torch.Tensor, n: int) -> torch.Tensor:
     return counts.scatter_add_(0, keys, torch.ones_like(keys))
 
 
-def _expert_mlp_loop(rows, pair_weights, weights: ExpertWeights, clamp, counts):
-    """Per-expert matmuls (CPU): rows [P, H] float32 sorted by expert, counts on the host."""
+def _expert_mlp_loop(rows_q, rows_s, pair_weights, weights: ExpertWeights, clamp, counts):
+    """Per-expert float32 matmuls (CPU): rows sorted by expert, counts on the host."""
     w13, w2 = _dense_weights(weights, torch.float32)
+    rows = _dequantized(rows_q, rows_s)
     out = torch.empty(rows.shape[0], weights.hidden, dtype=torch.bfloat16, device=rows.device)
     start = 0
     for e, n in enumerate(counts):
@@ -138,13 +145,24 @@ def _expert_mlp_loop(rows, pair_weights, weights: ExpertWeights, clamp, counts):
     return out
 
 
-def _expert_mlp_grouped(rows, pair_weights, weights: ExpertWeights, clamp, offsets):
-    """torch._grouped_mm over experts (CUDA); offsets int32 [El] cumulative ends, on device."""
+def _expert_mlp_grouped(rows_q, rows_s, pair_weights, weights: ExpertWeights, clamp, ends):
+    """Grouped GEMMs over experts on CUDA; ends int32 [El] cumulative row ends, on device.
+
+    FP8 weights stay FP8 (Triton block-scaled grouped GEMM, FP32 accumulation); BF16 weights
+    use torch._grouped_mm.
+    """
+    if weights.format == "fp8-block" and portable_gemm.available(rows_q.device):
+        gate_up = portable_gemm.grouped_fp8_block_gemm(
+            rows_q.contiguous(), rows_s.contiguous(), weights.w13, weights.w13_scale, ends)
+        act = swiglu(gate_up.float(), clamp, round_to_bf16=True) * pair_weights[:, None]
+        act_q, act_s = quant.quantize_fp8_tokens(act, 128, "float")
+        return portable_gemm.grouped_fp8_block_gemm(act_q, act_s, weights.w2, weights.w2_scale, ends)
     w13, w2 = _dense_weights(weights, torch.bfloat16)
-    gate_up = torch._grouped_mm(rows.to(torch.bfloat16), w13.transpose(1, 2), offs=offsets)
+    rows = _dequantized(rows_q, rows_s).to(torch.bfloat16)
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
     act = swiglu(gate_up.float(), clamp, round_to_bf16=True) * pair_weights[:, None]
     act = _round_intermediate(act, weights.format)
-    return torch._grouped_mm(act.to(torch.bfloat16), w2.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(act.to(torch.bfloat16), w2.transpose(1, 2), offs=ends)
 
 
 def _write_combine(buffer: SymmBuffer, peer: int, slots, tokens, out_rows, valid=None):
@@ -165,7 +183,7 @@ def _reduce(buffer: SymmBuffer, topk_idx, t: int, h: int) -> torch.Tensor:
 
 
 def _pull_exact(buffer: SymmBuffer, shape: MoEShape):
-    """(rows float32 [P,H], local expert [P], weight [P], src rank [P], src token [P], slot [P])."""
+    """Columns (rows, row scales or None, local expert, weight, src rank, src token, slot)."""
     r, el, h = buffer.rank, shape.experts_per_rank(buffer.num_ranks), shape.hidden
     ntok_slot = buffer.layout.workspace_slot("num_tokens")
     parts = []
@@ -177,27 +195,26 @@ def _pull_exact(buffer: SymmBuffer, shape: MoEShape):
         if tok.numel() == 0:
             continue
         w = buffer.view("topk_weights", p)[tok, slot]
-        parts.append((_peer_rows(buffer, p, tok, h), idx[tok, slot] - r * el, w,
-                      torch.full_like(tok, p), tok, slot))
+        rows_q, rows_s = _peer_rows(buffer, p, tok, h)
+        parts.append((rows_q, rows_s, idx[tok, slot] - r * el, w, torch.full_like(tok, p), tok, slot))
     if not parts:
         return None
-    return [torch.cat(col) for col in zip(*parts)]
+    return [None if col[0] is None else torch.cat(col) for col in zip(*parts)]
 
 
 def _forward_exact(buffer, shape, weights, clamp):
     pulled = _pull_exact(buffer, shape)
     if pulled is None:
         return
-    rows, expert, w, src, tok, slot = pulled
-    order = torch.argsort(expert, stable=True)
-    rows, expert, w, src, tok, slot = (a[order] for a in (rows, expert, w, src, tok, slot))
+    order = torch.argsort(pulled[2], stable=True)
+    rows_q, rows_s, expert, w, src, tok, slot = (None if a is None else a[order] for a in pulled)
     el = shape.experts_per_rank(buffer.num_ranks)
-    if rows.is_cuda:
-        offsets = torch.cumsum(_count(expert, el), 0).to(torch.int32)
-        out = _expert_mlp_grouped(rows, w.float(), weights, clamp, offsets)
+    counts = _count(expert, el)
+    if rows_q.is_cuda:
+        out = _expert_mlp_grouped(rows_q, rows_s, w.float(), weights, clamp,
+                                  torch.cumsum(counts, 0).to(torch.int32))
     else:
-        counts = _count(expert, el).tolist()
-        out = _expert_mlp_loop(rows, w.float(), weights, clamp, counts)
+        out = _expert_mlp_loop(rows_q, rows_s, w.float(), weights, clamp, counts.tolist())
     for p in range(buffer.num_ranks):
         mine = src == p
         if bool(mine.any()):
@@ -209,32 +226,35 @@ def _forward_padded(buffer, shape, weights, clamp, bound: int):
     r, el, h, k = buffer.rank, shape.experts_per_rank(buffer.num_ranks), shape.hidden, shape.topk
     dev = buffer.device
     ntok_slot = buffer.layout.workspace_slot("num_tokens")
+    err = buffer.view("workspace")[buffer.layout.workspace_slot("error_flag")]
     tok_ids = torch.arange(bound, device=dev)
-    keys, rows, ws = [], [], []
+    keys, rows_q, rows_s, ws = [], [], [], []
     for p in range(buffer.num_ranks):
         tp = buffer.view("workspace", p)[ntok_slot]
         idx = buffer.view("topk_idx", p)[:bound, :k].long()
         valid = ((idx >= r * el) & (idx < (r + 1) * el) & (tok_ids < tp)[:, None])
         keys.append(torch.where(valid, idx - r * el, torch.full_like(idx, el)).reshape(-1))
-        rows.append(_peer_rows(buffer, p, tok_ids, h))
+        q, sc = _peer_rows(buffer, p, tok_ids, h)
+        rows_q.append(q)
+        rows_s.append(sc)
         ws.append(buffer.view("topk_weights", p)[:bound, :k].reshape(-1))
         over = (tp > bound).to(torch.int32) * ERROR_PEER_TOKENS_OVER_BOUND
-        err = buffer.view("workspace")[buffer.layout.workspace_slot("error_flag")]
         err.copy_(torch.maximum(err, over))
     key = torch.cat(keys)                                   # [R*bound*K]
-    order = torch.argsort(key, stable=True)
-    pair = order                                            # flat index p*bound*K + t*K + slot
-    src, tok, slot = pair // (bound * k), (pair // k) % bound, pair % k
-    x_rows = torch.cat(rows)[src * bound + tok]             # [R*bound*K, H]
-    w = torch.cat(ws)[pair].float()
+    order = torch.argsort(key, stable=True)                 # flat pair index p*bound*K + t*K + slot
+    src, tok, slot = order // (bound * k), (order // k) % bound, order % k
+    row_of_pair = src * bound + tok
+    pair_q = torch.cat(rows_q)[row_of_pair]
+    pair_s = None if rows_s[0] is None else torch.cat(rows_s)[row_of_pair]
+    w = torch.cat(ws)[order].float()
     sorted_key = key[order]
     counts = _count(sorted_key, el + 1)[:el]
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
     valid = sorted_key < el
-    if x_rows.is_cuda:
-        out = _expert_mlp_grouped(x_rows, w, weights, clamp, offsets)
+    if pair_q.is_cuda:
+        out = _expert_mlp_grouped(pair_q, pair_s, w, weights, clamp,
+                                  torch.cumsum(counts, 0).to(torch.int32))
     else:  # CPU runs of the padded mode (tests): host counts are fine here
-        out = _expert_mlp_loop(x_rows, w, weights, clamp, counts.tolist())
+        out = _expert_mlp_loop(pair_q, pair_s, w, weights, clamp, counts.tolist())
     for p in range(buffer.num_ranks):
         _write_combine(buffer, p, slot, tok, out, valid & (src == p))
 
@@ -250,6 +270,11 @@ def check_errors(buffer: SymmBuffer) -> None:
                 f"rank {buffer.rank}: a peer held more tokens than the padded portable path's "
                 "bound (max_peer_tokens); its extra tokens were dropped. Pass max_peer_tokens, or "
                 "pad every rank to the same token count under CUDA graphs.")
+        if flag & ERROR_BAD_EXPERT_ID:
+            raise MegaMoEError(f"rank {buffer.rank}: topk_idx held expert ids outside [-1, num_experts) "
+                               "during a captured call; those routes were dropped")
+        if flag & ERROR_STAGING_OVERFLOW:
+            raise MegaMoEError(f"rank {buffer.rank}: received more rows than the staging region holds")
         raise MegaMoEError(f"rank {buffer.rank}: device error flag {flag:#x}")
 
 

@@ -1,0 +1,72 @@
+// Compile-time configuration of the fused SM90 mega MoE kernel. Every value arrives as a -D
+// define generated from vllm_megamoe.layout.BufferLayout.c_defines() (the one source of truth
+// for the buffer layout) plus the kernel's own tile choices; nothing here is typed by hand.
+#pragma once
+#include "../common.cuh"
+
+#ifndef MEGAMOE_NUM_RANKS
+#error "compile through vllm_megamoe.kernels.sm90_mega_moe: layout defines are missing"
+#endif
+
+namespace megamoe::mega {
+
+constexpr u32 kNumRanks = MEGAMOE_NUM_RANKS;
+constexpr u32 kNumExperts = MEGAMOE_NUM_EXPERTS;
+constexpr u32 kNumLocalExperts = MEGAMOE_NUM_LOCAL_EXPERTS;
+constexpr u32 kMaxTokens = MEGAMOE_MAX_TOKENS;       // per rank, rows of x and combine
+constexpr u32 kHidden = MEGAMOE_HIDDEN;               // of this layer (<= the buffer's)
+constexpr u32 kInter = MEGAMOE_INTERMEDIATE;          // of this layer
+constexpr u32 kTopk = MEGAMOE_TOPK;
+constexpr u32 kBufHidden = MEGAMOE_BUF_HIDDEN;        // row pitch of x / staging_l1 / combine
+constexpr u32 kBufInter = MEGAMOE_BUF_INTERMEDIATE;   // row pitch of staging_l2
+constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx / topk_weights
+constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
+constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
+
+// Region offsets in bytes from the start of a rank's buffer.
+constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;
+constexpr u64 kOffSendCount = MEGAMOE_OFF_expert_send_count;
+constexpr u64 kOffRecvCount = MEGAMOE_OFF_expert_recv_count;
+constexpr u64 kOffRecvSrcIndex = MEGAMOE_OFF_recv_src_index;
+constexpr u64 kOffX = MEGAMOE_OFF_x;
+constexpr u64 kOffXScale = MEGAMOE_OFF_x_scale;
+constexpr u64 kOffTopkIdx = MEGAMOE_OFF_topk_idx;
+constexpr u64 kOffTopkWeights = MEGAMOE_OFF_topk_weights;
+constexpr u64 kOffStagingMeta = MEGAMOE_OFF_staging_meta;
+constexpr u64 kOffStagingWeight = MEGAMOE_OFF_staging_weight;
+constexpr u64 kOffStagingL1 = MEGAMOE_OFF_staging_l1;
+constexpr u64 kOffStagingL1Scale = MEGAMOE_OFF_staging_l1_scale;
+constexpr u64 kOffStagingL2 = MEGAMOE_OFF_staging_l2;
+constexpr u64 kOffStagingL2Scale = MEGAMOE_OFF_staging_l2_scale;
+constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
+
+// Workspace slots (int32 indices into the workspace region).
+constexpr u32 kSlotGridSync = MEGAMOE_SLOT_grid_sync_0;
+constexpr u32 kSlotNvlCounter = MEGAMOE_SLOT_nvl_barrier_counter;
+constexpr u32 kSlotNvlSignal0 = MEGAMOE_SLOT_nvl_barrier_signal_0;
+constexpr u32 kSlotNumTokens = MEGAMOE_SLOT_num_tokens;
+constexpr u32 kSlotErrorFlag = MEGAMOE_SLOT_error_flag;
+constexpr u32 kSlotCallCount = MEGAMOE_SLOT_call_count;
+
+// Tiles: a CTA of 8 warps computes 256 weight rows x 32 tokens (weights on the MMA M side,
+// tokens on N: "swap AB", so a handful of tokens per expert still fills the MMA's M).
+constexpr u32 kNumWarps = 8;
+constexpr u32 kNumThreads = kNumWarps * 32;
+constexpr u32 kTileRows = 256;                  // weight rows per task
+constexpr u32 kTileTokens = 32;                 // tokens per task
+constexpr u32 kScaleBlock = 128;
+constexpr u32 kElemBytes = kFP8 ? 1 : 2;
+constexpr u32 kRowBytesL1 = kBufHidden * kElemBytes;   // staging_l1 / x row pitch in bytes
+constexpr u32 kRowBytesL2 = kBufInter * kElemBytes;    // staging_l2 row pitch in bytes
+
+static_assert(kHidden % kScaleBlock == 0 && kInter % kScaleBlock == 0, "H and I must be multiples of 128");
+static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for the L2 tile");
+static_assert(kNumRanks <= 8, "this kernel addresses at most 8 ranks");
+static_assert(kTopk <= 32, "top-k above 32 is not supported");
+static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
+
+// Error codes written to the workspace error flag before trapping.
+constexpr int kErrorStagingOverflow = 2;
+constexpr int kErrorBadExpert = 4;
+
+}  // namespace megamoe::mega

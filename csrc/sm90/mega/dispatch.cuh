@@ -1,0 +1,139 @@
+// Dispatch: stage this rank's tokens in its buffer (FP8 + per-128 scales, or BF16), announce
+// every (token, slot) pair to the rank owning its expert, then pull the rows other ranks
+// announced to us from their buffers into local staging, grouped by local expert.
+#pragma once
+#include "conv.cuh"
+#include "mma_tile.cuh"
+#include "params.cuh"
+#include "sync.cuh"
+
+namespace megamoe::mega {
+
+MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
+MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
+
+// x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 128-group).
+MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
+  const u32 lane = threadIdx.x % 32;
+  const u32 groups = kHidden / kScaleBlock;
+  for (u32 item = global_warp(); item < p.num_tokens * groups; item += total_warps()) {
+    const u32 token = item / groups, group = item % groups;
+    const u32 col = group * kScaleBlock + lane * 4;
+    const uint2 raw = *reinterpret_cast<const uint2*>(p.x + static_cast<u64>(token) * kHidden + col);
+    if constexpr (kFP8) {
+      float v[4] = {bf16_to_f32(raw.x & 0xffff), bf16_to_f32(raw.x >> 16), bf16_to_f32(raw.y & 0xffff),
+                    bf16_to_f32(raw.y >> 16)};
+      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+      for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+      const float scale = fmaxf(amax, kAmaxFloor) / kFP8Max;
+      const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] / scale, v[1] / scale)) |
+                         (static_cast<u32>(f32x2_to_e4m3x2(v[2] / scale, v[3] / scale)) << 16);
+      *reinterpret_cast<u32*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;
+      if (lane == 0) me.x_scale()[static_cast<u64>(token) * (kBufHidden / kScaleBlock) + group] = scale;
+    } else {
+      *reinterpret_cast<uint2*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col * 2) = raw;
+    }
+  }
+}
+
+// Copies top-k ids/weights into the buffer and announces each routed pair to its destination:
+// recv_src_index[e_local][my rank][position] = token * K + slot, position from a local counter.
+MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
+  const u32 pairs = p.num_tokens * kTopk;
+  for (u32 i = blockIdx.x * kNumThreads + threadIdx.x; i < pairs; i += gridDim.x * kNumThreads) {
+    const u32 token = i / kTopk, slot = i % kTopk;
+    int expert = p.topk_idx[i];
+    const float weight = p.topk_weights[i];
+    if (expert < -1 || expert >= static_cast<int>(kNumExperts)) {
+      atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);  // reported by the host; route dropped
+      expert = -1;
+    }
+    me.topk_idx()[token * kBufTopk + slot] = expert;
+    me.topk_weights()[token * kBufTopk + slot] = weight;
+    if (expert < 0) continue;
+    const u32 dst = expert / kNumLocalExperts, local = expert % kNumLocalExperts;
+    const u32 position = atomicAdd(me.send_count() + expert, 1);
+    if (position >= kMaxTokens) {  // only possible when a token lists one expert twice
+      atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);
+      continue;
+    }
+    Regions peer{p.peers[dst]};
+    peer.recv_src_index()[(static_cast<u64>(local) * kNumRanks + p.rank) * kMaxTokens + position] =
+        static_cast<int>(i);
+  }
+}
+
+// After every CTA announced: tell each destination how many pairs it gets per local expert.
+MEGAMOE_DEVICE void publish_counts(const Params& p, const Regions& me) {
+  if (blockIdx.x != 0) return;
+  for (u32 e = threadIdx.x; e < kNumExperts; e += kNumThreads) {
+    const u32 dst = e / kNumLocalExperts, local = e % kNumLocalExperts;
+    Regions peer{p.peers[dst]};
+    const u32 sent = ld_cg_u32(reinterpret_cast<const u8*>(me.send_count() + e));
+    peer.recv_count()[p.rank * kNumLocalExperts + local] = static_cast<int>(sent < kMaxTokens ? sent : kMaxTokens);
+  }
+}
+
+// Every CTA builds the same table from the counts peers published into our buffer.
+MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, const Regions& me) {
+  for (u32 i = threadIdx.x; i < kNumLocalExperts * kNumRanks; i += kNumThreads) {
+    const u32 e = i / kNumRanks, r = i % kNumRanks;
+    table.src_count[e][r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_count() + r * kNumLocalExperts + e));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 rows = 0, blocks = 0;
+    for (u32 e = 0; e < kNumLocalExperts; ++e) {
+      table.row_start[e] = rows;
+      table.block_start[e] = blocks;
+      u32 n = 0;
+      for (u32 r = 0; r < kNumRanks; ++r) n += table.src_count[e][r];
+      rows += n;
+      blocks += (n + kTileTokens - 1) / kTileTokens;
+    }
+    table.row_start[kNumLocalExperts] = rows;
+    table.block_start[kNumLocalExperts] = blocks;
+    if (rows > kStagingRows) {
+      me.workspace()[kSlotErrorFlag] |= kErrorStagingOverflow;
+      printf("megamoe: rank %d received %u rows but staging holds %u; build the SymmBuffer without "
+             "ring_rows or with more of them.\n", p.rank, rows, kStagingRows);
+      __trap();
+    }
+  }
+  __syncthreads();
+}
+
+// Pulls every announced row from its source rank's buffer into local staging. One warp per row:
+// 16-byte loads over NVLink, plus the row's scales, top-k weight and (src rank, token, slot, e).
+MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const Regions& me) {
+  const u32 lane = threadIdx.x % 32;
+  const u32 total = table.row_start[kNumLocalExperts];
+  for (u32 row = global_warp(); row < total; row += total_warps()) {
+    const u32 e = upper_bound_index(table.row_start, kNumLocalExperts, row);
+    u32 offset = row - table.row_start[e], src = 0;
+    while (offset >= table.src_count[e][src]) offset -= table.src_count[e][src++];
+    const int pair = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(
+        me.recv_src_index() + (static_cast<u64>(e) * kNumRanks + src) * kMaxTokens + offset)));
+    const u32 token = pair / kTopk, slot = pair % kTopk;
+    Regions peer{p.peers[src]};
+    const uint4* from = reinterpret_cast<const uint4*>(peer.x() + static_cast<u64>(token) * kRowBytesL1);
+    uint4* to = reinterpret_cast<uint4*>(me.staging_l1() + static_cast<u64>(row) * kRowBytesL1);
+    constexpr u32 kChunks = kHidden * kElemBytes / 16;
+#pragma unroll 4
+    for (u32 c = lane; c < kChunks; c += 32) to[c] = __ldcg(from + c);
+    if constexpr (kFP8) {
+      constexpr u32 kGroups = kHidden / kScaleBlock;
+      for (u32 gidx = lane; gidx < kGroups; gidx += 32)
+        me.staging_l1_scale()[static_cast<u64>(row) * (kBufHidden / kScaleBlock) + gidx] =
+            __ldcg(peer.x_scale() + static_cast<u64>(token) * (kBufHidden / kScaleBlock) + gidx);
+    }
+    if (lane == 0) {
+      me.staging_weight()[row] = __ldcg(peer.topk_weights() + token * kBufTopk + slot);
+      int4 meta = make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(slot), static_cast<int>(e));
+      reinterpret_cast<int4*>(me.staging_meta())[row] = meta;
+    }
+  }
+}
+
+}  // namespace megamoe::mega

@@ -1,0 +1,210 @@
+// The two expert GEMMs over the staged rows, task by task:
+//   L1: 256 interleaved w13 rows (128 SwiGLU channels) x 32 rows of one expert, K = hidden;
+//       epilogue: SwiGLU (gate/up rounded to BF16, optional clamp) x top-k weight, then FP8
+//       with one scale per 128 channels (or BF16) into staging_l2.
+//   L2: 256 w2 rows (hidden channels) x 32 rows, K = intermediate; epilogue: BF16 rows written
+//       straight into the source rank's combine[slot][token] (16-byte stores over NVLink).
+// FP8 partial sums are promoted to FP32 once per 128-K block with weight x token scales.
+#pragma once
+#include "conv.cuh"
+#include "dispatch.cuh"
+#include "mma_tile.cuh"
+#include "params.cuh"
+
+namespace megamoe::mega {
+
+struct TaskRows {
+  u32 expert, first_row, num_rows;  // staging rows [first_row, first_row + num_rows) of `expert`
+};
+
+MEGAMOE_DEVICE TaskRows task_rows(const ExpertTable& table, u32 block) {
+  const u32 e = upper_bound_index(table.block_start, kNumLocalExperts, block);
+  const u32 local_block = block - table.block_start[e];
+  const u32 first = table.row_start[e] + local_block * kTileTokens;
+  const u32 count = table.row_start[e + 1] - table.row_start[e];
+  const u32 left = count - local_block * kTileTokens;
+  return {e, first, left < kTileTokens ? left : kTileTokens};
+}
+
+// Rows of this lane's four n8 token tiles; past-the-end tokens read the last valid row.
+MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32 pitch, const TaskRows& t) {
+  const u32 g = (threadIdx.x % 32) / 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const u32 tok = nt * 8 + g;
+    rows[nt] = base + static_cast<u64>(t.first_row + (tok < t.num_rows ? tok : t.num_rows - 1)) * pitch;
+  }
+}
+
+// acc = sum over K blocks of (A x B) [x w_scale(row) x token_scale(token, kb)] (see file comment).
+// w_scale_row[mt]: this lane's weight-scale row pointer per m16 tile (fp8), indexed by kb.
+template <u32 K>
+MEGAMOE_DEVICE void warp_gemm(WarpAcc& acc, const u8* a_rows, const u8* const (&tok_rows)[4], u32 tok_pitch_bytes,
+                              const float* const (&w_scale_gate_up)[2][2], const float* tok_scale,
+                              u32 tok_scale_pitch, const TaskRows& t) {
+  (void)tok_pitch_bytes;
+  acc.zero();
+  constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
+  if constexpr (!kFP8) {
+    warp_mma_k_range(acc, a_rows, kPitch, tok_rows, 0, K * 2);
+    return;
+  }
+  const u32 lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  constexpr u32 kBlocks = K / kScaleBlock;
+  for (u32 kb = 0; kb < kBlocks; ++kb) {
+    WarpAcc part;
+    part.zero();
+    warp_mma_k_range(part, a_rows, kPitch, tok_rows, kb * kScaleBlock, kScaleBlock);
+    float tsc[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const u32 tok = nt * 8 + 2 * t4 + j;
+        const u32 row = t.first_row + (tok < t.num_rows ? tok : t.num_rows - 1);
+        tsc[nt][j] = ld_cg_f32(tok_scale + static_cast<u64>(row) * tok_scale_pitch + kb);
+      }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const float w_lo = __ldg(w_scale_gate_up[mt][0] + kb), w_hi = __ldg(w_scale_gate_up[mt][1] + kb);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        acc.v[mt][nt][0] += part.v[mt][nt][0] * w_lo * tsc[nt][0];
+        acc.v[mt][nt][1] += part.v[mt][nt][1] * w_lo * tsc[nt][1];
+        acc.v[mt][nt][2] += part.v[mt][nt][2] * w_hi * tsc[nt][0];
+        acc.v[mt][nt][3] += part.v[mt][nt][3] * w_hi * tsc[nt][1];
+      }
+    }
+  }
+  (void)g;
+}
+
+struct EpilogueSmem {
+  float amax[kNumWarps][kTileTokens];
+  alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [32][128] fp8/bf16; L2: [32][256] bf16
+};
+
+MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, const Params& p, const Regions& me,
+                            u32 block, u32 wt) {
+  const TaskRows t = task_rows(table, block);
+  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const u8* tok_rows[4];
+  token_row_pointers(tok_rows, me.staging_l1(), kRowBytesL1, t);
+  const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows + warp * 32;
+  const u8* a_rows = p.w13 + w_row0 * kHidden * kElemBytes;
+  // Gate rows of this tile come from scale block wt, up rows from block I/128 + wt.
+  const float* gate_sc = p.w13_scale + (static_cast<u64>(t.expert) * (2 * kInter / kScaleBlock) + wt) * (kHidden / kScaleBlock);
+  const float* up_sc = gate_sc + (kInter / kScaleBlock) * (kHidden / kScaleBlock);
+  const float* const wsc[2][2] = {{gate_sc, up_sc}, {gate_sc, up_sc}};
+  WarpAcc acc;
+  warp_gemm<kHidden>(acc, a_rows, tok_rows, kRowBytesL1, wsc, me.staging_l1_scale(), kBufHidden / kScaleBlock, t);
+
+  // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel.
+  float act[2][4][2];
+  float tok_amax[4][2];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const u32 tok = nt * 8 + 2 * t4 + j;
+      const float w = tok < t.num_rows ? ld_cg_f32(me.staging_weight() + t.first_row + tok) : 0.0f;
+      tok_amax[nt][j] = 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        float gate = round_bf16(acc.v[mt][nt][j]), up = round_bf16(acc.v[mt][nt][2 + j]);
+        if (p.has_clamp) {
+          gate = fminf(gate, p.clamp);
+          up = fminf(fmaxf(up, -p.clamp), p.clamp);
+        }
+        const float v = silu(gate) * up * w;
+        act[mt][nt][j] = v;
+        tok_amax[nt][j] = fmaxf(tok_amax[nt][j], fabsf(v));
+      }
+    }
+  if constexpr (kFP8) {
+    // Per-token amax over the tile's 128 channels: across g in the warp, then across warps.
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float m = tok_amax[nt][j];
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if (g == 0) smem.amax[warp][nt * 8 + 2 * t4 + j] = m;
+      }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const u32 tok = nt * 8 + 2 * t4 + j;
+      float scale = 1.0f;
+      if constexpr (kFP8) {
+        float m = 0.0f;
+#pragma unroll
+        for (u32 w = 0; w < kNumWarps; ++w) m = fmaxf(m, smem.amax[w][tok]);
+        scale = fmaxf(m, kAmaxFloor) / kFP8Max;
+        if (warp == 0 && g == 0 && tok < t.num_rows)
+          me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const u32 channel = warp * 16 + mt * 8 + g;
+        if constexpr (kFP8) {
+          smem.tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(act[mt][nt][j] / scale, 0.0f) & 0xff);
+        } else {
+          reinterpret_cast<u16*>(smem.tile)[tok * 128 + channel] = f32_to_bf16(act[mt][nt][j]);
+        }
+      }
+    }
+  __syncthreads();
+  // Coalesced 16-byte stores of the valid token rows.
+  constexpr u32 kRowBytes = 128 * kElemBytes, kChunksPerRow = kRowBytes / 16;
+  for (u32 c = threadIdx.x; c < kTileTokens * kChunksPerRow; c += kNumThreads) {
+    const u32 tok = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    if (tok >= t.num_rows) continue;
+    u8* dst = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * kRowBytes + chunk * 16;
+    *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(smem.tile)[c];
+  }
+  __syncthreads();
+}
+
+MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, const Params& p, const Regions& me,
+                            u32 block, u32 ht) {
+  const TaskRows t = task_rows(table, block);
+  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const u8* tok_rows[4];
+  token_row_pointers(tok_rows, me.staging_l2(), kRowBytesL2, t);
+  const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows + warp * 32;
+  const u8* a_rows = p.w2 + w_row0 * kInter * kElemBytes;
+  // Both m16 tiles of a warp lie in one 128-row scale block (32 | 128).
+  const float* sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + w_row0 % kHidden / kScaleBlock) *
+                                      (kInter / kScaleBlock);
+  const float* const wsc[2][2] = {{sc, sc}, {sc, sc}};
+  WarpAcc acc;
+  warp_gemm<kInter>(acc, a_rows, tok_rows, kRowBytesL2, wsc, me.staging_l2_scale(), kBufInter / kScaleBlock, t);
+  u16* tile = reinterpret_cast<u16*>(smem.tile);  // [32 tokens][256 channels] bf16
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 channel = warp * 32 + mt * 16 + g + (j >= 2 ? 8 : 0);
+        const u32 tok = nt * 8 + 2 * t4 + (j & 1);
+        tile[tok * kTileRows + channel] = f32_to_bf16(acc.v[mt][nt][j]);
+      }
+  __syncthreads();
+  // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank.
+  for (u32 tok = warp; tok < t.num_rows; tok += kNumWarps) {
+    const int4 meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + tok);
+    Regions src{p.peers[meta.x]};
+    u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
+    reinterpret_cast<uint4*>(dst)[lane] = reinterpret_cast<const uint4*>(tile + tok * kTileRows)[lane];
+  }
+  __syncthreads();
+}
+
+}  // namespace megamoe::mega

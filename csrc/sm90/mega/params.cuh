@@ -1,0 +1,64 @@
+// Kernel parameters (one struct passed by value) and typed access to the regions of a rank's
+// symmetric buffer. The Python twin of Params is vllm_megamoe.kernels.sm90_mega_moe._Params.
+#pragma once
+#include "config.cuh"
+
+namespace megamoe::mega {
+
+struct Params {
+  const u16* x;               // [T, H] bf16: this rank's tokens
+  const int* topk_idx;        // [T, K] int32 global expert ids, -1 masked
+  const float* topk_weights;  // [T, K]
+  u16* y;                     // [T, H] bf16 output
+  const u8* w13;              // [El, 2I, H] fp8 or bf16, gate/up interleaved by 8
+  const float* w13_scale;     // [El, 2I/128, H/128] (fp8 only), checkpoint row order
+  const u8* w2;               // [El, H, I]
+  const float* w2_scale;      // [El, H/128, I/128]
+  u8* peers[8];               // base address of every rank's buffer in this process
+  u64 timeout_ns;             // every wait gives up after this long
+  int num_tokens;
+  int rank;
+  int has_clamp;
+  float clamp;
+};
+
+// Region pointers of one rank's buffer.
+struct Regions {
+  u8* base;
+  MEGAMOE_DEVICE int* workspace() const { return reinterpret_cast<int*>(base + kOffWorkspace); }
+  MEGAMOE_DEVICE int* send_count() const { return reinterpret_cast<int*>(base + kOffSendCount); }
+  // [R, El]: written by source rank r.
+  MEGAMOE_DEVICE int* recv_count() const { return reinterpret_cast<int*>(base + kOffRecvCount); }
+  // [El, R, kMaxTokens]: token*K + slot of every pair rank r sends to local expert e.
+  MEGAMOE_DEVICE int* recv_src_index() const { return reinterpret_cast<int*>(base + kOffRecvSrcIndex); }
+  MEGAMOE_DEVICE u8* x() const { return base + kOffX; }
+  MEGAMOE_DEVICE float* x_scale() const { return reinterpret_cast<float*>(base + kOffXScale); }
+  MEGAMOE_DEVICE int* topk_idx() const { return reinterpret_cast<int*>(base + kOffTopkIdx); }
+  MEGAMOE_DEVICE float* topk_weights() const { return reinterpret_cast<float*>(base + kOffTopkWeights); }
+  MEGAMOE_DEVICE int* staging_meta() const { return reinterpret_cast<int*>(base + kOffStagingMeta); }
+  MEGAMOE_DEVICE float* staging_weight() const { return reinterpret_cast<float*>(base + kOffStagingWeight); }
+  MEGAMOE_DEVICE u8* staging_l1() const { return base + kOffStagingL1; }
+  MEGAMOE_DEVICE float* staging_l1_scale() const { return reinterpret_cast<float*>(base + kOffStagingL1Scale); }
+  MEGAMOE_DEVICE u8* staging_l2() const { return base + kOffStagingL2; }
+  MEGAMOE_DEVICE float* staging_l2_scale() const { return reinterpret_cast<float*>(base + kOffStagingL2Scale); }
+  MEGAMOE_DEVICE u16* combine() const { return reinterpret_cast<u16*>(base + kOffCombine); }
+};
+
+// Per-CTA copy of who sends how many rows to each local expert, and where they land in staging.
+struct ExpertTable {
+  u32 src_count[kNumLocalExperts][kNumRanks];  // rows from rank r for local expert e
+  u32 row_start[kNumLocalExperts + 1];         // first staging row of expert e (prefix sum)
+  u32 block_start[kNumLocalExperts + 1];       // first token block (kTileTokens rows) of expert e
+};
+
+// Largest e with table[e] <= value (table ascending, table[0] == 0).
+MEGAMOE_DEVICE u32 upper_bound_index(const u32* table, u32 n, u32 value) {
+  u32 lo = 0, hi = n;  // answer in [lo, hi)
+  while (hi - lo > 1) {
+    const u32 mid = (lo + hi) / 2;
+    if (table[mid] <= value) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+}  // namespace megamoe::mega

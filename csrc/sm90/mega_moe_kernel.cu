@@ -1,0 +1,44 @@
+// The fused SM90 mega MoE kernel: one persistent launch per MoE layer and rank.
+//   stage + announce -> [NVLink barrier] -> pull -> L1 + SwiGLU -> L2 + combine writes
+//   -> [NVLink barrier] -> top-k reduce -> counters reset
+// Phases are separated by grid-wide barriers; every CTA of the grid must be resident (the host
+// checks occupancy) and every wait times out with a message naming the rank and the phase.
+#include "mega/combine.cuh"
+#include "mega/dispatch.cuh"
+#include "mega/expert_gemm.cuh"
+#include "mega/sync.cuh"
+
+using namespace megamoe;
+using namespace megamoe::mega;
+
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+megamoe_sm90_fused(const __grid_constant__ Params p) {
+  __shared__ ExpertTable table;
+  __shared__ EpilogueSmem epilogue;
+  const Regions me{p.peers[p.rank]};
+  u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
+  const u32 num_ctas = gridDim.x;
+
+  stage_tokens(p, me);
+  announce_pairs(p, me);
+  grid_sync(grid_counter, num_ctas, p.rank, kPhaseAnnounce, p.timeout_ns);
+  publish_counts(p, me);
+  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseDispatchBarrier, p.timeout_ns);
+
+  build_expert_table(table, p, me);
+  pull_rows(table, p, me);
+  grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns);
+
+  const u32 blocks = table.block_start[kNumLocalExperts];
+  constexpr u32 kL1Tiles = 2 * kInter / kTileRows, kL2Tiles = kHidden / kTileRows;
+  for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
+    l1_task(table, epilogue, p, me, task / kL1Tiles, task % kL1Tiles);
+  grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns);
+
+  for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
+    l2_task(table, epilogue, p, me, task / kL2Tiles, task % kL2Tiles);
+  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns);
+
+  reduce_combine(p, me);
+  reset_counters(me);
+}

@@ -1,0 +1,111 @@
+"""The fused SM90 mega kernel on 1 and 2 H200s against the reference and the portable path."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from vllm_megamoe.launch import run_ranks
+
+from mega_cases import SHAPES, assert_rows, run_cases
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 9
+
+
+requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (SM90) GPU")
+
+CASES_1GPU = [([1], "uniform", 1), ([7], "masked", 2), ([128], "skewed", 3), ([1000], "uniform", 4),
+              ([4096], "uniform", 5)]
+CASES_2GPU = [([1, 7], "uniform", 1), ([7, 0], "masked", 2), ([128, 128], "skewed", 3),
+              ([0, 1000], "uniform", 4), ([4096, 4096], "uniform", 5), ([3, 129], "masked", 6)]
+
+
+def _rank(rank, world, group, shape_name, fmt, cases, calls=1):
+    return run_cases(rank, world, group, shape_name, fmt, cases, calls_per_case=calls)
+
+
+@requires_sm90
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_one_gpu(shape_name, fmt):
+    rows = _rank(0, 1, None, shape_name, fmt, CASES_1GPU)
+    assert_rows([rows], fmt)
+
+
+@requires_sm90
+@pytest.mark.multigpu
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_two_gpus(shape_name, fmt):
+    rows = run_ranks(_rank, 2, (shape_name, fmt, CASES_2GPU), backend="nccl", timeout_s=600)
+    assert_rows(rows, fmt)
+
+
+@requires_sm90
+@pytest.mark.multigpu
+def test_back_to_back_calls_two_gpus():
+    """100 calls with new inputs each time: counters and barriers stay consistent."""
+    cases = [([13 + i % 50, 40 - i % 37], ["uniform", "masked", "skewed"][i % 3], 500 + i) for i in range(100)]
+    rows = run_ranks(_rank, 2, ("small-odd", "fp8-block", cases), backend="nccl", timeout_s=600)
+    assert_rows(rows, "fp8-block")
+
+
+def _graph_rank(rank, world, group, fmt):
+    from mega_cases import global_weights, inputs
+    from vllm_megamoe import SymmBuffer, reference
+    from vllm_megamoe.kernels import sm90_mega_moe
+    shape = SHAPES["qwen3-30b-a3b"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    weights = global_weights(shape, fmt, dev)
+    el = shape.experts_per_rank(world)
+    local = weights.experts(rank * el, el)
+    w13f, w2f = weights.dequantize()
+    buf = SymmBuffer(shape, 64, group, format=fmt, device=dev)
+    static = [t.clone() for t in inputs(shape, [64] * world, "uniform", 9, dev)[rank]]
+    y = torch.empty(64, shape.hidden, dtype=torch.bfloat16, device=dev)
+    sm90_mega_moe.mega_moe(*static, local, buf, y=y)  # compile and warm up outside capture
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sm90_mega_moe.mega_moe(*static, local, buf, y=y)
+    errs = []
+    for replay in range(5):
+        fresh = inputs(shape, [64] * world, ["uniform", "skewed", "masked"][replay % 3], 100 + replay, dev)[rank]
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        ref = reference.moe_forward(*fresh, w13f, w2f, emulate="fp8" if fmt == "fp8-block" else "bf16")
+        errs.append(reference.relative_error(y, ref))
+    buf.destroy()
+    return errs
+
+
+@requires_sm90
+@pytest.mark.multigpu
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_cuda_graph_two_gpus(fmt):
+    from mega_cases import EMULATED_BOUND
+    for errs in run_ranks(_graph_rank, 2, (fmt,), backend="nccl", timeout_s=600):
+        assert max(errs) <= EMULATED_BOUND[fmt], errs
+
+
+@requires_sm90
+@pytest.mark.multigpu
+def test_missing_peer_times_out_with_a_message():
+    """Rank 1 never launches: rank 0 must report rank and phase and abort, not hang."""
+    probe = os.path.join(os.path.dirname(__file__), "timeout_probe.py")
+    start = time.time()
+    proc = subprocess.run([sys.executable, probe, "3"], capture_output=True, text=True, timeout=240)
+    elapsed = time.time() - start
+    out = proc.stdout + proc.stderr
+    assert "megamoe: rank 0 timed out in dispatch (NVLink barrier)" in out, out[-3000:]
+    assert "RANK0_FAILED" in out, out[-3000:]
+    assert elapsed < 200

@@ -1,0 +1,144 @@
+"""Python side of the fused SM90 mega MoE kernel (csrc/sm90/mega_moe_kernel.cu).
+
+One launch per layer and rank does staging, dispatch over NVLink, both expert GEMMs with
+SwiGLU, and the combine. Shapes, top-k, ranks and the buffer layout are compile-time constants
+(`-D` defines from BufferLayout.c_defines()), so each layer shape compiles once and is cached.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from ..buffer import SymmBuffer
+from ..shape import MoEShape, check_tensor, require
+from ..weights import ExpertWeights, transform_weights_for_mega_moe
+from . import jit
+
+SOURCE = "sm90/mega_moe_kernel.cu"
+ENTRY = "megamoe_sm90_fused"
+NUM_THREADS = 256
+MAX_RANKS = 8
+MAX_LOCAL_EXPERTS = 512
+TILE_ROWS = 256
+
+
+class _Params(ctypes.Structure):
+    """Mirror of megamoe::mega::Params (csrc/sm90/mega/params.cuh), field for field."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("topk_weights", ctypes.c_void_p),
+                ("y", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w13_scale", ctypes.c_void_p),
+                ("w2", ctypes.c_void_p), ("w2_scale", ctypes.c_void_p),
+                ("peers", ctypes.c_void_p * MAX_RANKS), ("timeout_ns", ctypes.c_uint64),
+                ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("has_clamp", ctypes.c_int),
+                ("clamp", ctypes.c_float)]
+
+
+def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
+    """Whether this kernel handles the layer, and if not, why (for the path oracle's log line)."""
+    el = shape.num_experts // max(num_ranks, 1)
+    checks = [
+        (shape.hidden % TILE_ROWS == 0, f"hidden={shape.hidden} is not a multiple of {TILE_ROWS}"),
+        (shape.intermediate % 128 == 0, f"intermediate={shape.intermediate} is not a multiple of 128"),
+        (num_ranks <= MAX_RANKS, f"{num_ranks} ranks (the kernel addresses at most {MAX_RANKS})"),
+        (el <= MAX_LOCAL_EXPERTS, f"{el} local experts (at most {MAX_LOCAL_EXPERTS})"),
+        (fmt in ("fp8-block", "bf16"), f"format {fmt!r}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return False, why
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False, "cuda-python is not installed (pip install 'vllm-megamoe[cuda]')"
+    return True, "supported"
+
+
+def kernel_spec(shape: MoEShape, buffer: SymmBuffer) -> jit.KernelSpec:
+    defines = buffer.layout.c_defines()
+    defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
+                   MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
+                   MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"))
+    return jit.KernelSpec.make(SOURCE, ENTRY, defines)
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_size(device_index: int, spec: jit.KernelSpec) -> int:
+    """CTAs that are guaranteed co-resident: SMs x resident CTAs per SM, capped by the user."""
+    kernel = jit.get_kernel(spec, device_index)
+    driver = jit._driver()
+    per_sm = jit.check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, NUM_THREADS, 0),
+                              "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    if per_sm < 1:
+        raise RuntimeError("the SM90 mega kernel cannot fit one CTA on an SM (registers or shared memory)")
+    wanted = int(os.environ.get("VLLM_MEGAMOE_NUM_SMS", sms))
+    require(1 <= wanted <= sms * per_sm,
+            f"VLLM_MEGAMOE_NUM_SMS={wanted} must be in [1, {sms * per_sm}] (co-resident CTAs on this GPU)")
+    return wanted
+
+
+def _align_ranks_after_compile(buffer: SymmBuffer, spec: jit.KernelSpec) -> None:
+    """First launch of a kernel variant: wait (on the host) until every rank has it compiled, so
+    compile-time skew between ranks is not spent inside the kernel's barrier timeout."""
+    seen = buffer.__dict__.setdefault("_sm90_ready", set())
+    if spec in seen:
+        return
+    if buffer.group is not None and buffer.num_ranks > 1:
+        require(not torch.cuda.is_current_stream_capturing(),
+                "warm up the SM90 mega kernel (one call per shape) before capturing a CUDA graph")
+        torch.distributed.barrier(group=buffer.group)
+    seen.add(spec)
+
+
+def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
+    """Kernel-layout weights (gate/up interleaved), cached on the weights object."""
+    if weights.layout == "interleaved":
+        return weights
+    cache = weights.__dict__.setdefault("_sm90_cache", {})
+    if "weights" not in cache:
+        cache["weights"] = transform_weights_for_mega_moe(weights, "sm90")
+    return cache["weights"]
+
+
+def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
+             buffer: SymmBuffer, *, activation_clamp: Optional[float] = None,
+             y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fused kernel for one layer on this rank (a collective; see ops.mega_moe)."""
+    from ..portable import validate_call
+    shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
+    ok, why = supports(shape, weights.format, buffer.num_ranks)
+    require(ok, f"the SM90 mega kernel does not support this layer: {why}")
+    require(x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9,
+            f"the SM90 mega kernel needs a Hopper GPU; x is on {x.device}")
+    require(buffer.backend in ("cuda", "local") and buffer.device == x.device,
+            f"the SymmBuffer must live on {x.device} (it is a {buffer.backend!r} buffer on {buffer.device})")
+    kw = prepare_weights(weights)
+    x = x.to(torch.bfloat16).contiguous()
+    idx = topk_idx.to(torch.int32).contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    t = x.shape[0]
+    if y is None:
+        y = torch.empty(t, shape.hidden, dtype=torch.bfloat16, device=x.device)
+    check_tensor("y", y, dtype=torch.bfloat16, shape=(t, shape.hidden), contiguous=True)
+    spec = kernel_spec(shape, buffer)
+    dev = x.device.index
+    kernel = jit.get_kernel(spec, dev)
+    _align_ranks_after_compile(buffer, spec)
+    params = _Params()
+    params.x, params.topk_idx, params.topk_weights, params.y = (
+        x.data_ptr(), idx.data_ptr(), tw.data_ptr(), y.data_ptr())
+    params.w13, params.w2 = kw.w13.data_ptr(), kw.w2.data_ptr()
+    if kw.format == "fp8-block":
+        params.w13_scale, params.w2_scale = kw.w13_scale.data_ptr(), kw.w2_scale.data_ptr()
+    for r, ptr in enumerate(buffer.buffer_ptrs):
+        params.peers[r] = ptr
+    params.timeout_ns = int(buffer.timeout_s * 1e9)
+    params.num_tokens, params.rank = t, buffer.rank
+    params.has_clamp = int(activation_clamp is not None)
+    params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
+    kernel.launch(_grid_size(dev, spec), NUM_THREADS, 0, torch.cuda.current_stream(x.device).cuda_stream, [params])
+    return y
