@@ -38,7 +38,9 @@ def quantize_fp8_tokens(x: torch.Tensor, group: int = 128, scale_format: str = "
     require(group > 0 and k % group == 0, f"x's last dimension {k} must be a multiple of group={group}")
     xg = x.float().reshape(*x.shape[:-1], k // group, group)
     amax = xg.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # amax * (1/448), not amax / 448: torch turns division by a scalar into this product on CUDA,
+    # and the kernels compute it the same way, so scales agree to the bit on every device.
+    scale = amax * (1.0 / FP8_MAX)
     if scale_format == "ue8m0":
         scale = _round_scale_pow2(scale)
     q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

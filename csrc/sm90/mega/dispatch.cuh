@@ -26,7 +26,7 @@ MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
       float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
       for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-      const float scale = fmaxf(amax, kAmaxFloor) / kFP8Max;
+      const float scale = fmaxf(amax, kAmaxFloor) * (1.0f / kFP8Max);
       const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] / scale, v[1] / scale)) |
                          (static_cast<u32>(f32x2_to_e4m3x2(v[2] / scale, v[3] / scale)) << 16);
       *reinterpret_cast<u32*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;

@@ -145,7 +145,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, const 
         float m = 0.0f;
 #pragma unroll
         for (u32 w = 0; w < kNumWarps; ++w) m = fmaxf(m, smem.amax[w][tok]);
-        scale = fmaxf(m, kAmaxFloor) / kFP8Max;
+        scale = fmaxf(m, kAmaxFloor) * (1.0f / kFP8Max);
         if (warp == 0 && g == 0 && tok < t.num_rows)
           me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
       }

@@ -1,0 +1,109 @@
+"""First timing table of the fused SM90 kernel (issue 6): kernel vs portable path vs unfused chain.
+
+    python3 -m benchmarks.first_kernel_timing --gpus 2 --out results/first_kernel_ep2.json
+Graph-replayed kernel and portable path, eager chain; CUDA events, median; max over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from vllm_megamoe import SymmBuffer, portable, reference
+from vllm_megamoe.kernels import sm90_mega_moe
+from vllm_megamoe.launch import run_ranks
+
+from benchmarks.chain import UnfusedChain
+from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, routing, time_calls
+
+
+def _graph(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for name in shapes:
+        shape = STANDARD_SHAPES[name]
+        weights = local_weights(shape, world, rank, fmt, dev)
+        w13, w2 = weights.dequantize()
+        chain = UnfusedChain(w13, w2, fmt, group)
+        del w13, w2
+        buf = SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev)
+        for tokens in tokens_list:
+            gen = torch.Generator(device=dev).manual_seed(rank + tokens)
+            sets = []
+            for _ in range(3):
+                x = torch.randn(tokens, shape.hidden, device=dev, generator=gen).to(torch.bfloat16)
+                sets.append((x, *routing(shape, tokens, dev, gen)))
+            static = [t.clone() for t in sets[0]]
+            y = torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device=dev)
+
+            def load(i):
+                for d, s in zip(static, sets[i % 3]):
+                    d.copy_(s)
+                torch.cuda.synchronize()
+                dist.barrier(group)
+
+            y_kernel = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
+            y_port = portable.mega_moe(*sets[0], weights, buf)
+            agree = reference.relative_error(y_kernel, y_port)
+            chain_ms = time_calls(lambda: chain(*static), iters, load)
+            g_port = _graph(lambda: portable.mega_moe(*static, weights, buf, mode="padded"))
+            port_ms = time_calls(g_port.replay, iters, load)
+            del g_port
+            g_kern = _graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y))
+            kern_ms = time_calls(g_kern.replay, iters, load)
+            del g_kern
+            rows.append(dict(shape=name, format=fmt, tokens_per_rank=tokens, chain_us=median_us(chain_ms),
+                             portable_graph_us=median_us(port_ms), kernel_graph_us=median_us(kern_ms),
+                             kernel_vs_portable_rel_err=agree))
+        buf.destroy()
+        del weights, chain, buf
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES))
+    ap.add_argument("--format", default="fp8-block")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[8, 128, 4096])
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--out", default="benchmarks/results/first_kernel.json")
+    args = ap.parse_args(argv)
+    per_rank = run_ranks(_rank_main, args.gpus, (args.shapes, args.format, args.tokens, args.iters),
+                         backend="nccl", timeout_s=1500, pg_timeout_s=600)
+    rows = []
+    for i, row in enumerate(per_rank[0]):
+        merged = dict(row)
+        for key in ("chain_us", "portable_graph_us", "kernel_graph_us", "kernel_vs_portable_rel_err"):
+            merged[key] = max(r[i][key] for r in per_rank)
+        rows.append(merged)
+    print(f"{'shape':<14} {'fmt':<9} {'tok':>5} {'chain us':>9} {'portable':>9} {'kernel':>9} {'x chain':>7} {'x port':>7} {'err':>8}")
+    for r in rows:
+        print(f"{r['shape']:<14} {r['format']:<9} {r['tokens_per_rank']:>5} {r['chain_us']:>9.0f} "
+              f"{r['portable_graph_us']:>9.0f} {r['kernel_graph_us']:>9.0f} {r['chain_us'] / r['kernel_graph_us']:>7.2f} "
+              f"{r['portable_graph_us'] / r['kernel_graph_us']:>7.2f} {r['kernel_vs_portable_rel_err']:>8.1e}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(env=dict(gpu=torch.cuda.get_device_name(0), gpus=args.gpus, torch=torch.__version__,
+                                commit=os.environ.get("MEGAMOE_COMMIT", "")), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
