@@ -24,7 +24,7 @@ setup(
         "cuda": ["cuda-bindings>=13.0,<14", "nvidia-cuda-nvrtc>=13.0,<14"],
         "vllm": ["vllm>=0.32"],
         "bench": ["matplotlib>=3.7"],
-        "test": ["pytest>=7", "hypothesis>=6"],
+        "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": ["vllm-megamoe=vllm_megamoe.cli:main"],

@@ -38,11 +38,25 @@ def local_weights(shape: MoEShape, num_ranks: int, rank: int, fmt: str, device) 
     return ExpertWeights("fp8-block", w13, w2, s13, s2)
 
 
+ROUTINGS = {"uniform": 0.0, "skewed": 1.0}  # name -> Zipf exponent of expert popularity
+POPULARITY_SEED = 2024  # same expert order on every rank and every run
+
+
+def expert_probs(num_experts: int, skew: float, device) -> torch.Tensor:
+    """Draw weights of the experts: uniform for skew 0, else Zipf-like 1/(j+1)^skew where j is
+    the expert's place in a fixed random order (so hot experts spread over the ranks)."""
+    if skew <= 0:
+        return torch.ones(num_experts, device=device)
+    order = torch.randperm(num_experts, generator=torch.Generator().manual_seed(POPULARITY_SEED))
+    place = torch.empty(num_experts, dtype=torch.float32)
+    place[order] = torch.arange(num_experts, dtype=torch.float32)
+    return (1.0 / (place + 1.0) ** skew).to(device)
+
+
 def routing(shape: MoEShape, tokens: int, device, gen: torch.Generator, skew: float = 0.0):
-    """Top-k ids without repeats; skew > 0 draws experts Zipf-like (expert e weight 1/(e+1)^skew)."""
-    probs = torch.ones(shape.num_experts, device=device)
-    if skew > 0:
-        probs = 1.0 / torch.arange(1, shape.num_experts + 1, device=device).float() ** skew
+    """Top-k ids [T, K] int64 without repeats and weights [T, K] float32 summing to 1 per token;
+    skew > 0 draws experts Zipf-like (see expert_probs)."""
+    probs = expert_probs(shape.num_experts, skew, device)
     probs = probs.expand(tokens, -1) if tokens else probs[None][:0]
     idx = torch.multinomial(probs, shape.topk, replacement=False, generator=gen)
     w = torch.rand(tokens, shape.topk, device=device, generator=gen)

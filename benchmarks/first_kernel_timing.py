@@ -77,8 +77,26 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
     return rows
 
 
+def markdown_table(path: str) -> str:
+    """The recorded run as a markdown table (what docs/kernel_notes.md shows)."""
+    with open(path) as f:
+        data = json.load(f)
+    env = data["env"]
+    lines = [f"Source: `{os.path.relpath(path)}` ({env['gpus']} x {env['gpu']}, torch {env['torch']}); "
+             "graph-replayed kernel and portable path, eager chain; median us, max over ranks.", "",
+             "| shape | format | tokens/rank | chain us | portable us | kernel us | kernel x chain | kernel x portable | kernel vs portable rel err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["rows"]:
+        lines.append(f"| {r['shape']} | {r['format']} | {r['tokens_per_rank']} | {r['chain_us']:.0f} | "
+                     f"{r['portable_graph_us']:.0f} | {r['kernel_graph_us']:.0f} | "
+                     f"{r['chain_us'] / r['kernel_graph_us']:.2f} | {r['portable_graph_us'] / r['kernel_graph_us']:.2f} | "
+                     f"{r['kernel_vs_portable_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report", metavar="JSON", help="print a recorded run as a markdown table and exit")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=list(STANDARD_SHAPES))
     ap.add_argument("--format", default="fp8-block")
@@ -86,6 +104,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--out", default="benchmarks/results/first_kernel.json")
     args = ap.parse_args(argv)
+    if args.report:
+        print(markdown_table(args.report))
+        return
     per_rank = run_ranks(_rank_main, args.gpus, (args.shapes, args.format, args.tokens, args.iters),
                          backend="nccl", timeout_s=1500, pg_timeout_s=600)
     rows = []
