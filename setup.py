@@ -1,4 +1,22 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithCsrc(build_py):
+    """Ship the CUDA sources (top-level csrc/) inside the package: they are JIT-compiled at run
+    time, and vllm_megamoe.kernels.jit.csrc_dir() looks for them in vllm_megamoe/csrc first."""
+
+    def run(self):
+        super().run()
+        src = os.path.join(ROOT, "csrc")
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(self.build_lib, "vllm_megamoe", "csrc"), dirs_exist_ok=True)
+
 
 setup(
     name="vllm-megamoe",
@@ -9,9 +27,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_megamoe", "vllm_megamoe.*"]),
-    # CUDA sources are JIT-compiled at run time; ship them inside the package.
-    package_data={"vllm_megamoe": ["csrc/**/*", "configs/*"]},
-    include_package_data=True,
+    cmdclass={"build_py": BuildPyWithCsrc},
     install_requires=[
         "torch>=2.6",
         "numpy",  # torch.distributed's object collectives (buffer set-up) need it
