@@ -28,7 +28,7 @@ def test_single_rank(fmt, mode):
     assert_rows([rows], fmt)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
 def test_multi_rank_cpu(world, fmt):
     rows = run_ranks(_rank_main, world, (fmt, "exact"), timeout_s=240)

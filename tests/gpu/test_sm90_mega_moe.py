@@ -22,8 +22,19 @@ requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (SM90)
 
 CASES_1GPU = [([1], "uniform", 1), ([7], "masked", 2), ([128], "skewed", 3), ([1000], "uniform", 4),
               ([4096], "uniform", 5)]
-CASES_2GPU = [([1, 7], "uniform", 1), ([7, 0], "masked", 2), ([128, 128], "skewed", 3),
-              ([0, 1000], "uniform", 4), ([4096, 4096], "uniform", 5), ([3, 129], "masked", 6)]
+# Multi-GPU tests run on MEGAMOE_GPU_RANKS GPUs (default 2; scripts/device_ep_n.sh sets 4 or 8).
+RANKS = int(os.environ.get("MEGAMOE_GPU_RANKS", "2"))
+requires_ranks = pytest.mark.skipif(torch.cuda.device_count() < RANKS, reason=f"needs {RANKS} GPUs")
+
+
+def _per_rank(*values):
+    """Token counts for RANKS ranks, cycling through `values` (uneven, with zeros)."""
+    return [values[r % len(values)] for r in range(RANKS)]
+
+
+CASES_NGPU = [(_per_rank(1, 7, 2), "uniform", 1), (_per_rank(7, 0), "masked", 2),
+              (_per_rank(128), "skewed", 3), (_per_rank(0, 1000, 33), "uniform", 4),
+              (_per_rank(4096), "uniform", 5), (_per_rank(3, 129, 64, 1), "masked", 6)]
 
 
 def _rank(rank, world, group, shape_name, fmt, cases, calls=1):
@@ -40,19 +51,22 @@ def test_one_gpu(shape_name, fmt):
 
 @requires_sm90
 @pytest.mark.multigpu
+@requires_ranks
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
-def test_two_gpus(shape_name, fmt):
-    rows = run_ranks(_rank, 2, (shape_name, fmt, CASES_2GPU), backend="nccl", timeout_s=600)
+def test_multi_gpu(shape_name, fmt):
+    rows = run_ranks(_rank, RANKS, (shape_name, fmt, CASES_NGPU), backend="nccl", timeout_s=600)
     assert_rows(rows, fmt)
 
 
 @requires_sm90
 @pytest.mark.multigpu
-def test_back_to_back_calls_two_gpus():
+@requires_ranks
+def test_back_to_back_calls_multi_gpu():
     """100 calls with new inputs each time: counters and barriers stay consistent."""
-    cases = [([13 + i % 50, 40 - i % 37], ["uniform", "masked", "skewed"][i % 3], 500 + i) for i in range(100)]
-    rows = run_ranks(_rank, 2, ("small-odd", "fp8-block", cases), backend="nccl", timeout_s=600)
+    cases = [(_per_rank(13 + i % 50, 40 - i % 37), ["uniform", "masked", "skewed"][i % 3], 500 + i)
+             for i in range(100)]
+    rows = run_ranks(_rank, RANKS, ("small-odd", "fp8-block", cases), backend="nccl", timeout_s=600)
     assert_rows(rows, "fp8-block")
 
 
@@ -91,9 +105,10 @@ def _graph_rank(rank, world, group, fmt):
 @requires_sm90
 @pytest.mark.multigpu
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
-def test_cuda_graph_two_gpus(fmt):
+@requires_ranks
+def test_cuda_graph_multi_gpu(fmt):
     from mega_cases import EMULATED_BOUND
-    for errs in run_ranks(_graph_rank, 2, (fmt,), backend="nccl", timeout_s=600):
+    for errs in run_ranks(_graph_rank, RANKS, (fmt,), backend="nccl", timeout_s=600):
         assert max(errs) <= EMULATED_BOUND[fmt], errs
 
 
