@@ -65,18 +65,3 @@ def routing(shape: MoEShape, tokens: int, device, gen: torch.Generator, skew: fl
 
 def median_us(times_ms: list[float]) -> float:
     return statistics.median(times_ms) * 1e3
-
-
-def time_calls(fn, iters: int, before=None) -> list[float]:
-    """Per-call times (ms) with CUDA events; `before(i)` runs untimed before call i."""
-    out = []
-    for i in range(iters):
-        if before is not None:
-            before(i)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out

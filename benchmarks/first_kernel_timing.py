@@ -17,20 +17,8 @@ from vllm_megamoe.kernels import sm90_mega_moe
 from vllm_megamoe.launch import run_ranks
 
 from benchmarks.chain import UnfusedChain
-from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, routing, time_calls
-
-
-def _graph(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, routing
+from benchmarks.timing import capture_graph, time_events
 
 
 def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
@@ -61,12 +49,12 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
             y_kernel = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
             y_port = portable.mega_moe(*sets[0], weights, buf)
             agree = reference.relative_error(y_kernel, y_port)
-            chain_ms = time_calls(lambda: chain(*static), iters, load)
-            g_port = _graph(lambda: portable.mega_moe(*static, weights, buf, mode="padded"))
-            port_ms = time_calls(g_port.replay, iters, load)
+            chain_ms = time_events(lambda: chain(*static), iters, 1, load)
+            g_port = capture_graph(lambda: portable.mega_moe(*static, weights, buf, mode="padded"))
+            port_ms = time_events(g_port.replay, iters, 1, load)
             del g_port
-            g_kern = _graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y))
-            kern_ms = time_calls(g_kern.replay, iters, load)
+            g_kern = capture_graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y))
+            kern_ms = time_events(g_kern.replay, iters, 1, load)
             del g_kern
             rows.append(dict(shape=name, format=fmt, tokens_per_rank=tokens, chain_us=median_us(chain_ms),
                              portable_graph_us=median_us(port_ms), kernel_graph_us=median_us(kern_ms),

@@ -111,7 +111,7 @@ LEGACY_PATHS = {"chain_us": "chain", "portable_graph_us": "portable", "portable_
 
 
 def rows_from_legacy(doc: dict, shapes: dict) -> list[dict]:
-    """benchmarks/bench_portable.py's JSON -> rows; traffic is the expected uniform traffic."""
+    """The first recorded run's JSON (benchmarks/results/portable_ep2.json, written by the since-merged bench_portable script) -> rows; traffic is the expected uniform traffic."""
     world = int(doc.get("env", {}).get("gpus") or doc.get("args", {}).get("gpus") or 1)
     rows = []
     for old in doc["rows"]:
