@@ -169,10 +169,14 @@ FUSED_CASES = [("v4-flash", 4096, 2048, 256, 6), ("deepseek-v3", 7168, 2048, 256
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("mainloop", ["ldg", "smem"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 @pytest.mark.parametrize("name,hidden,inter,experts,topk", FUSED_CASES)
-def test_fused_mega_kernel_compiles_for_sm90a(private_cache, name, hidden, inter, experts, topk, fmt):
-    """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills."""
+def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, hidden, inter, experts, topk, fmt,
+                                              mainloop):
+    """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
+    with either mainloop; the shared memory it declares fits next to the dynamic mainloop stages."""
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop)
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
@@ -186,3 +190,6 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, name, hidden, inter
     assert len(compiled.cubin) > 10_000
     _, spills = _resources(compiled.log)
     assert spills == 0, compiled.log
+    static = re.search(r"(\d+) bytes smem", compiled.log)
+    if static:  # ptxas reports static shared memory; dynamic stages come on top of it
+        assert int(static.group(1)) + sm90_mega_moe.dynamic_smem_bytes(spec) <= 227 * 1024

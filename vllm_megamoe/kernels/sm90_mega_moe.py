@@ -24,6 +24,17 @@ NUM_THREADS = 256
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 512
 TILE_ROWS = 256
+TILE_TOKENS = 32
+# Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP): "ldg" fetches MMA fragments straight from global
+# memory (verified on H200); "smem" streams tiles through shared memory with cp.async
+# (csrc/sm90/mega/mainloop_smem.cuh: 3 stages of 256 + 32 rows padded to 144 bytes).
+MAINLOOPS = {"ldg": 0, "smem": 3 * (TILE_ROWS + TILE_TOKENS) * 144}
+
+
+def mainloop() -> str:
+    name = os.environ.get("VLLM_MEGAMOE_SM90_MAINLOOP", "ldg")
+    require(name in MAINLOOPS, f"VLLM_MEGAMOE_SM90_MAINLOOP={name!r} must be one of {sorted(MAINLOOPS)}")
+    return name
 
 
 class _Params(ctypes.Structure):
@@ -61,8 +72,13 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer) -> jit.KernelSpec:
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
-                   MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"))
+                   MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
+                   MEGAMOE_SMEM_MAINLOOP=int(mainloop() == "smem"))
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
+
+
+def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:
+    return MAINLOOPS["smem"] if dict(spec.defines).get("MEGAMOE_SMEM_MAINLOOP") == "1" else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +86,12 @@ def _grid_size(device_index: int, spec: jit.KernelSpec) -> int:
     """CTAs that are guaranteed co-resident: SMs x resident CTAs per SM, capped by the user."""
     kernel = jit.get_kernel(spec, device_index)
     driver = jit._driver()
-    per_sm = jit.check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, NUM_THREADS, 0),
+    smem = dynamic_smem_bytes(spec)
+    if smem:
+        jit.check_driver(driver.cuFuncSetAttribute(
+            kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+            "cuFuncSetAttribute(max dynamic shared memory)")
+    per_sm = jit.check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, NUM_THREADS, smem),
                               "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     if per_sm < 1:
@@ -140,5 +161,6 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.num_tokens, params.rank = t, buffer.rank
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
-    kernel.launch(_grid_size(dev, spec), NUM_THREADS, 0, torch.cuda.current_stream(x.device).cuda_stream, [params])
+    kernel.launch(_grid_size(dev, spec), NUM_THREADS, dynamic_smem_bytes(spec),
+                  torch.cuda.current_stream(x.device).cuda_stream, [params])
     return y

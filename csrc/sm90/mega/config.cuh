@@ -22,6 +22,9 @@ constexpr u32 kBufInter = MEGAMOE_BUF_INTERMEDIATE;   // row pitch of staging_l2
 constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx / topk_weights
 constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
+#ifndef MEGAMOE_SMEM_MAINLOOP
+#define MEGAMOE_SMEM_MAINLOOP 0                        // 1: cp.async shared-memory mainloop (mainloop_smem.cuh)
+#endif
 
 // Region offsets in bytes from the start of a rank's buffer.
 constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;

@@ -8,6 +8,7 @@
 #pragma once
 #include "conv.cuh"
 #include "dispatch.cuh"
+#include "mainloop_smem.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
 
@@ -36,47 +37,32 @@ MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32
   }
 }
 
-// acc = sum over K blocks of (A x B) [x w_scale(row) x token_scale(token, kb)] (see file comment).
-// w_scale_row[mt]: this lane's weight-scale row pointer per m16 tile (fp8), indexed by kb.
+// acc = this warp's 32 rows x 32 tokens of the task's GEMM over K (see the file comment).
+// w_scale[mt][0|1]: weight-scale rows (indexed by 128-K block) of fragment rows g | g + 8.
 template <u32 K>
-MEGAMOE_DEVICE void warp_gemm(WarpAcc& acc, const u8* a_rows, const u8* const (&tok_rows)[4], u32 tok_pitch_bytes,
-                              const float* const (&w_scale_gate_up)[2][2], const float* tok_scale,
-                              u32 tok_scale_pitch, const TaskRows& t) {
-  (void)tok_pitch_bytes;
-  acc.zero();
+MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, const u8* cta_rows, const u8* tok_base, u32 tok_pitch,
+                              const float* const (&w_scale)[2][2], const float* tok_scale, u32 tok_scale_pitch,
+                              const TaskRows& t) {
+#if MEGAMOE_SMEM_MAINLOOP
+  cta_gemm<K>(acc, *sm, cta_rows, tok_base, tok_pitch, t.first_row, t.num_rows, w_scale, tok_scale, tok_scale_pitch);
+#else
+  (void)sm;
   constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
+  const u8* a_rows = cta_rows + (threadIdx.x / 32) * 32 * kPitch;
+  const u8* tok_rows[4];
+  token_row_pointers(tok_rows, tok_base, tok_pitch, t);
+  acc.zero();
   if constexpr (!kFP8) {
     warp_mma_k_range(acc, a_rows, kPitch, tok_rows, 0, K * 2);
-    return;
-  }
-  const u32 lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  constexpr u32 kBlocks = K / kScaleBlock;
-  for (u32 kb = 0; kb < kBlocks; ++kb) {
-    WarpAcc part;
-    part.zero();
-    warp_mma_k_range(part, a_rows, kPitch, tok_rows, kb * kScaleBlock, kScaleBlock);
-    float tsc[4][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const u32 tok = nt * 8 + 2 * t4 + j;
-        const u32 row = t.first_row + (tok < t.num_rows ? tok : t.num_rows - 1);
-        tsc[nt][j] = ld_cg_f32(tok_scale + static_cast<u64>(row) * tok_scale_pitch + kb);
-      }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const float w_lo = __ldg(w_scale_gate_up[mt][0] + kb), w_hi = __ldg(w_scale_gate_up[mt][1] + kb);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        acc.v[mt][nt][0] += part.v[mt][nt][0] * w_lo * tsc[nt][0];
-        acc.v[mt][nt][1] += part.v[mt][nt][1] * w_lo * tsc[nt][1];
-        acc.v[mt][nt][2] += part.v[mt][nt][2] * w_hi * tsc[nt][0];
-        acc.v[mt][nt][3] += part.v[mt][nt][3] * w_hi * tsc[nt][1];
-      }
+  } else {
+    for (u32 kb = 0; kb < K / kScaleBlock; ++kb) {
+      WarpAcc part;
+      part.zero();
+      warp_mma_k_range(part, a_rows, kPitch, tok_rows, kb * kScaleBlock, kScaleBlock);
+      promote_block(acc, part, w_scale, tok_scale, tok_scale_pitch, t.first_row, t.num_rows, kb);
     }
   }
-  (void)g;
+#endif
 }
 
 struct EpilogueSmem {
@@ -84,20 +70,18 @@ struct EpilogueSmem {
   alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [32][128] fp8/bf16; L2: [32][256] bf16
 };
 
-MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, const Params& p, const Regions& me,
-                            u32 block, u32 wt) {
+MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, const Params& p,
+                            const Regions& me, u32 block, u32 wt) {
   const TaskRows t = task_rows(table, block);
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const u8* tok_rows[4];
-  token_row_pointers(tok_rows, me.staging_l1(), kRowBytesL1, t);
-  const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows + warp * 32;
-  const u8* a_rows = p.w13 + w_row0 * kHidden * kElemBytes;
+  const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows;
   // Gate rows of this tile come from scale block wt, up rows from block I/128 + wt.
   const float* gate_sc = p.w13_scale + (static_cast<u64>(t.expert) * (2 * kInter / kScaleBlock) + wt) * (kHidden / kScaleBlock);
   const float* up_sc = gate_sc + (kInter / kScaleBlock) * (kHidden / kScaleBlock);
   const float* const wsc[2][2] = {{gate_sc, up_sc}, {gate_sc, up_sc}};
   WarpAcc acc;
-  warp_gemm<kHidden>(acc, a_rows, tok_rows, kRowBytesL1, wsc, me.staging_l1_scale(), kBufHidden / kScaleBlock, t);
+  task_gemm<kHidden>(acc, mainloop, p.w13 + w_row0 * kHidden * kElemBytes, me.staging_l1(), kRowBytesL1, wsc,
+                     me.staging_l1_scale(), kBufHidden / kScaleBlock, t);
 
   // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel.
   float act[2][4][2];
@@ -171,20 +155,18 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, const 
   __syncthreads();
 }
 
-MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, const Params& p, const Regions& me,
-                            u32 block, u32 ht) {
+MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, const Params& p,
+                            const Regions& me, u32 block, u32 ht) {
   const TaskRows t = task_rows(table, block);
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const u8* tok_rows[4];
-  token_row_pointers(tok_rows, me.staging_l2(), kRowBytesL2, t);
-  const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows + warp * 32;
-  const u8* a_rows = p.w2 + w_row0 * kInter * kElemBytes;
-  // Both m16 tiles of a warp lie in one 128-row scale block (32 | 128).
-  const float* sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + w_row0 % kHidden / kScaleBlock) *
+  const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
+  // A warp's 32 rows lie in one 128-row scale block (32 | 128).
+  const float* sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + warp * 32) / kScaleBlock) *
                                       (kInter / kScaleBlock);
   const float* const wsc[2][2] = {{sc, sc}, {sc, sc}};
   WarpAcc acc;
-  warp_gemm<kInter>(acc, a_rows, tok_rows, kRowBytesL2, wsc, me.staging_l2_scale(), kBufInter / kScaleBlock, t);
+  task_gemm<kInter>(acc, mainloop, p.w2 + w_row0 * kInter * kElemBytes, me.staging_l2(), kRowBytesL2, wsc,
+                    me.staging_l2_scale(), kBufInter / kScaleBlock, t);
   u16* tile = reinterpret_cast<u16*>(smem.tile);  // [32 tokens][256 channels] bf16
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
