@@ -1,0 +1,118 @@
+"""`vllm-megamoe convert | inspect | verify` (subcommands registered by vllm_megamoe.cli)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+CONVERT_EPILOG = """\
+examples:
+  vllm-megamoe convert /models/Qwen3-30B-A3B /models/Qwen3-30B-A3B-megamoe-sm90 --arch sm90
+  vllm-megamoe convert /models/DeepSeek-V3 /models/DeepSeek-V3-sm100 --arch sm100 --workers 8
+supported expert naming: experts.<e>.{w1,w2,w3}.weight (Mixtral),
+  experts.<e>.{gate_proj,up_proj,down_proj}.weight[_scale_inv] (Qwen-MoE, DeepSeek; FP8 128x128),
+  stacked experts.gate_up_proj [E,2I,H] or [E,H,2I] + experts.down_proj (float)."""
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _fail(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def run_convert(args) -> int:
+    from .checkpoint import convert_checkpoint
+    from .plan import parse_size
+    if threading_main():
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        result = convert_checkpoint(
+            args.src, args.dst, arch=args.arch, fmt=args.format,
+            max_shard_bytes=parse_size(args.max_shard_size), workers=args.workers,
+            overwrite=args.overwrite, resume=args.resume,
+            progress=not args.no_progress and sys.stderr.isatty() or args.progress,
+            log=lambda msg: print(msg, file=sys.stderr))
+    except ValueError as exc:
+        return _fail(exc)
+    except KeyboardInterrupt:
+        print("conversion interrupted; DST was not written", file=sys.stderr)
+        return 130
+    rate = result.source_bytes / max(result.seconds, 1e-9) / 1e9
+    print(f"wrote {result.dst}: {result.shards} shard(s), {result.output_bytes / 1e9:.2f} GB of "
+          f"weights ({result.arch} {result.fmt}) in {result.seconds:.1f} s "
+          f"({rate:.2f} GB/s of source)")
+    return 0
+
+
+def threading_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def run_inspect(args) -> int:
+    from .inspection import format_inspection, inspect_checkpoint
+    try:
+        info = inspect_checkpoint(args.dir)
+    except ValueError as exc:
+        return _fail(exc)
+    print(json.dumps(info, indent=2, default=str) if args.json else format_inspection(info))
+    return 0
+
+
+def run_verify(args) -> int:
+    from .verify import verify_checkpoint
+    try:
+        problems = verify_checkpoint(args.dir, source=args.source, samples=args.samples,
+                                     seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+    except ValueError as exc:
+        return _fail(exc)
+    if problems:
+        print(f"verify FAILED for {args.dir}:", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    print(f"verify OK: {args.dir}")
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    """Add convert / inspect / verify to an argparse subparsers object."""
+    import argparse
+    p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint to the megamoe "
+                       "kernel layout (offline, once)", epilog=CONVERT_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="source checkpoint directory (config.json + safetensors)")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--arch", required=True, choices=("sm90", "sm100"),
+                   help="GPU the checkpoint is for: sm90 (Hopper) or sm100 (Blackwell)")
+    p.add_argument("--format", choices=("fp8-block", "bf16", "mxfp4"), default=None,
+                   help="expert weight format (default: fp8-block on sm90, mxfp4 on sm100)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest output shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="threads converting in parallel (default: CPUs, at most 16)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished shards of an interrupted conversion to the same DST")
+    p.add_argument("--progress", action="store_true", help="show the progress bar even when "
+                   "stderr is not a terminal")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_convert)
+
+    p = sub.add_parser("inspect", help="summarise a checkpoint (converted or not)")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_inspect)
+
+    p = sub.add_parser("verify", help="check a converted checkpoint: checksums, shapes and, "
+                       "with --source, bit equality of re-derived tensors")
+    p.add_argument("dir")
+    p.add_argument("--source", help="the original checkpoint, to re-derive sampled tensors")
+    p.add_argument("--samples", type=int, default=8,
+                   help="experts and non-expert tensors to re-derive (each; default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random sample")
+    p.set_defaults(func=run_verify)

@@ -1,0 +1,122 @@
+"""The kernel weight layout of each arch and format: the one function both the offline
+converter and the vLLM plugin (load time) call, and the tensor names a converted checkpoint uses.
+
+    to_kernel_layout(w13, w2, arch=, fmt=, w13_scale_inv=None, w2_scale_inv=None) -> KernelExperts
+
+Input: one layer's experts (or any slice of them) in vLLM's checkpoint layout, w13 [E, 2I, H]
+(gate rows then up rows) and w2 [E, H, I], either float (bf16/fp16/fp32) or FP8 e4m3 with
+float32 128x128 block `scale_inv` ([E, 2I/128, H/128], [E, H/128, I/128]). Every step is per
+expert, so converting experts in chunks gives the same bytes as converting the whole layer.
+
+| arch  | fmt       | w13 / w2                         | scales                                   |
+| sm90  | fp8-block | e4m3, w13 interleaved (gran 8)   | float32 scale_inv, checkpoint row order  |
+| sm90  | bf16      | bf16, w13 interleaved            | none                                     |
+| sm100 | mxfp4     | packed E2M1 int8 [.., K/2], w13 interleaved | int32 UE8M0 x4 [.., N, K/128]; L1 interleaved then UTCCP-transposed, L2 UTCCP-transposed |
+| sm100 | bf16      | bf16, w13 interleaved            | none                                     |
+sm90 goes through weights.transform_weights_for_mega_moe (what the plugin runs at load time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import quant, transforms
+from ..shape import require
+from ..weights import WEIGHT_BLOCK, ExpertWeights, transform_weights_for_mega_moe
+
+LAYOUT_VERSION = 1
+ARCH_FORMATS = {"sm90": ("fp8-block", "bf16"), "sm100": ("mxfp4", "bf16")}
+DEFAULT_FORMAT = {"sm90": "fp8-block", "sm100": "mxfp4"}
+MXFP4_GROUP = 32
+
+# Output tensor names under each experts module (vLLM FusedMoE parameter names).
+W13, W2 = "w13_weight", "w2_weight"
+SCALE_SUFFIX = {"fp8-block": "_scale_inv", "mxfp4": "_scale", "bf16": None}
+
+
+def check_arch_format(arch: str, fmt: Optional[str]) -> str:
+    """The format to use (the arch's default when fmt is None); ValueError when unsupported."""
+    require(arch in ARCH_FORMATS, f"--arch {arch!r} is not supported; choose one of "
+            f"{sorted(ARCH_FORMATS)}")
+    fmt = DEFAULT_FORMAT[arch] if fmt is None else fmt
+    require(fmt in ARCH_FORMATS[arch], f"--format {fmt!r} does not run on {arch}; {arch} runs "
+            f"{' or '.join(ARCH_FORMATS[arch])}")
+    return fmt
+
+
+@dataclass
+class KernelExperts:
+    """Expert weights in a kernel layout (scales None for bf16)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+
+    def named(self, fmt: str) -> dict:
+        """{parameter name: tensor} with the names a converted checkpoint stores."""
+        out = {W13: self.w13, W2: self.w2}
+        suffix = SCALE_SUFFIX[fmt]
+        if suffix:
+            out[W13 + suffix] = self.w13_scale
+            out[W2 + suffix] = self.w2_scale
+        return out
+
+
+def tensor_specs(num_experts: int, hidden: int, intermediate: int, fmt: str) -> dict:
+    """{parameter name: (safetensors dtype, shape)} of one converted layer."""
+    e, h, i = num_experts, hidden, intermediate
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if fmt == "bf16":
+        return {W13: ("BF16", (e, 2 * i, h)), W2: ("BF16", (e, h, i))}
+    if fmt == "fp8-block":
+        bn, bk = WEIGHT_BLOCK
+        return {W13: ("F8_E4M3", (e, 2 * i, h)), W2: ("F8_E4M3", (e, h, i)),
+                W13 + "_scale_inv": ("F32", (e, cdiv(2 * i, bn), cdiv(h, bk))),
+                W2 + "_scale_inv": ("F32", (e, cdiv(h, bn), cdiv(i, bk)))}
+    if fmt == "mxfp4":
+        g = 4 * MXFP4_GROUP
+        return {W13: ("I8", (e, 2 * i, h // 2)), W2: ("I8", (e, h, i // 2)),
+                W13 + "_scale": ("I32", (e, 2 * i, h // g)),
+                W2 + "_scale": ("I32", (e, h, i // g))}
+    raise ValueError(f"format {fmt!r} has no tensor layout; expected one of {sorted(SCALE_SUFFIX)}")
+
+
+def _float_weights(w13, w2, s13, s2):
+    if w13.dtype == quant.FP8_DTYPE:
+        require(s13 is not None and s2 is not None,
+                "FP8 expert weights need w13_scale_inv and w2_scale_inv (128x128 block scales)")
+        return (quant.dequantize_fp8_blocks(w13, s13, WEIGHT_BLOCK),
+                quant.dequantize_fp8_blocks(w2, s2, WEIGHT_BLOCK))
+    return w13, w2
+
+
+def to_kernel_layout(w13: torch.Tensor, w2: torch.Tensor, *, arch: str, fmt: str,
+                     w13_scale_inv: Optional[torch.Tensor] = None,
+                     w2_scale_inv: Optional[torch.Tensor] = None) -> KernelExperts:
+    """Checkpoint-layout experts -> the layout the `arch` mega kernel reads in `fmt`."""
+    fmt = check_arch_format(arch, fmt)
+    require(w13.dim() == 3 and w2.dim() == 3,
+            f"w13 and w2 must be [E, 2I, H] and [E, H, I], got {tuple(w13.shape)} and "
+            f"{tuple(w2.shape)}")
+    is_fp8 = w13.dtype == quant.FP8_DTYPE
+    if arch == "sm90":
+        if fmt == "fp8-block" and is_fp8:
+            weights = ExpertWeights("fp8-block", w13, w2, w13_scale_inv.float(),
+                                    w2_scale_inv.float())
+        else:
+            weights = ExpertWeights.from_float(*_float_weights(w13, w2, w13_scale_inv,
+                                                               w2_scale_inv), fmt)
+        k = transform_weights_for_mega_moe(weights, "sm90")
+        return KernelExperts(k.w13, k.w2, k.w13_scale, k.w2_scale)
+    f13, f2 = _float_weights(w13, w2, w13_scale_inv, w2_scale_inv)
+    if fmt == "bf16":
+        return KernelExperts(transforms.interleave_gate_up(f13.to(torch.bfloat16)),
+                             f2.to(torch.bfloat16).contiguous())
+    q13, sf13 = quant.quantize_mxfp4(f13, MXFP4_GROUP)
+    q2, sf2 = quant.quantize_mxfp4(f2, MXFP4_GROUP)
+    return KernelExperts(transforms.interleave_gate_up(q13), q2,
+                         transforms.transpose_sf_for_utccp(transforms.interleave_gate_up(sf13)),
+                         transforms.transpose_sf_for_utccp(sf2))
