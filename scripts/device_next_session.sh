@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The next device session's first call (2 H200s): what this session could not finish.
+#   STEP=graph   the CUDA-graph BF16 failure and the timeout probe, with full output
+#   STEP=smem    the cp.async shared-memory mainloop: kernel tests + timing next to the ldg one
+#   STEP=memcheck compute-sanitizer memcheck without host API noise
+# Usage: STEP=graph bash scripts/device_next_session.sh   (results in $OUT)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+T="-q -rs -p no:cacheprovider -o timeout=150"
+case "${STEP:-graph}" in
+  graph)
+    timeout 400 python3 -m pytest $T tests/gpu/test_sm90_mega_moe.py -k "cuda_graph or missing_peer" 2>&1 | tee "$OUT/graph.log" | tail -40 ;;
+  smem)
+    VLLM_MEGAMOE_SM90_MAINLOOP=smem timeout 330 python3 -m pytest -x $T tests/gpu/test_sm90_mega_moe.py \
+      -k "one_gpu or (multi_gpu and (qwen3 or v4))" 2>&1 | tee "$OUT/smem_tests.log" | tail -20
+    for m in ldg smem; do
+      VLLM_MEGAMOE_SM90_MAINLOOP=$m timeout 120 python3 -m benchmarks.first_kernel_timing --gpus 2 --tokens 8 128 \
+        --out "$OUT/timing_$m.json" 2>&1 | tail -8
+    done ;;
+  memcheck)
+    timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
+      python3 tests/gpu/sanitize_probe.py 2>&1 | tail -30 | tee "$OUT/memcheck.log" ;;
+esac
