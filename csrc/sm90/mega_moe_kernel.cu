@@ -15,6 +15,12 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 megamoe_sm90_fused(const __grid_constant__ Params p) {
   __shared__ ExpertTable table;
   __shared__ EpilogueSmem epilogue;
+#if MEGAMOE_SMEM_MAINLOOP
+  extern __shared__ __align__(128) u8 dynamic_smem[];
+  MainloopSmem* mainloop = reinterpret_cast<MainloopSmem*>(dynamic_smem);
+#else
+  MainloopSmem* mainloop = nullptr;
+#endif
   const Regions me{p.peers[p.rank]};
   u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
   const u32 num_ctas = gridDim.x;
@@ -32,11 +38,11 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
   const u32 blocks = table.block_start[kNumLocalExperts];
   constexpr u32 kL1Tiles = 2 * kInter / kTileRows, kL2Tiles = kHidden / kTileRows;
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
-    l1_task(table, epilogue, p, me, task / kL1Tiles, task % kL1Tiles);
+    l1_task(table, epilogue, mainloop, p, me, task / kL1Tiles, task % kL1Tiles);
   grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns);
 
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
-    l2_task(table, epilogue, p, me, task / kL2Tiles, task % kL2Tiles);
+    l2_task(table, epilogue, mainloop, p, me, task / kL2Tiles, task % kL2Tiles);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns);
 
   reduce_combine(p, me);
