@@ -9,8 +9,9 @@ Backends (chosen by `backend="auto"`):
            pointers. Ranks must be on one host with peer access between all GPUs.
 - "cpu":   POSIX shared memory. Each rank creates a file under /dev/shm named
            `vllm_megamoe-<job token>-r<rank>-p<pid>`, maps every peer's file, and unlinks its own
-           as soon as all ranks have mapped it (the mapping stays valid), so nothing is left
-           behind when a rank exits or dies later. Until then an atexit hook removes it.
+           as soon as all ranks have mapped it (the mapping stays valid); the constructor returns
+           only once every rank has done so, so nothing is left behind when a rank exits or dies
+           later. Until then an atexit hook removes it.
            Directory: $VLLM_MEGAMOE_SHM_DIR (default /dev/shm).
 
 Barriers time out (`timeout_s`, default 60 s, env VLLM_MEGAMOE_TIMEOUT_S) with a
@@ -115,6 +116,8 @@ class SymmBuffer:
             self.barrier("map shared memory")
         finally:
             self._unlink_own_file()  # every peer has mapped it (or failed): the name can go
+        # When the constructor returns on any rank, no rank's file is left under shm_dir().
+        self.barrier("unlink shared memory")
 
     def _create_cuda(self):
         import torch.distributed._symmetric_memory as symm_mem
