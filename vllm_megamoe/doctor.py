@@ -6,6 +6,7 @@ import platform
 
 import torch
 
+from .errors import UnsupportedError
 from .ops import select_path
 from .shape import MoEShape
 
@@ -31,13 +32,26 @@ def _cuda_bindings_version() -> str:
         return "not installed"
 
 
+def _deep_gemm() -> str:
+    from .sm100 import discovery
+    return discovery.describe()
+
+
+def _path(fmt: str, device) -> str:
+    try:
+        path, why = select_path(PROBE_SHAPE, fmt, device)
+    except UnsupportedError as exc:  # e.g. an SM100 GPU without DeepGEMM: report, don't crash
+        return f"none: {exc}"
+    return f"{path}: {why}"
+
+
 def collect() -> list[tuple[str, str]]:
     rows = [("python", platform.python_version()),
             ("torch", torch.__version__),
             ("torch CUDA", str(torch.version.cuda)),
             ("cuda-bindings", _cuda_bindings_version()),
             ("vllm", _version("vllm")),
-            ("deep_gemm", _version("deep_gemm"))]
+            ("deep_gemm (SM100)", _deep_gemm())]
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows.append(("GPUs", str(n)))
     for i in range(n):
@@ -52,8 +66,7 @@ def collect() -> list[tuple[str, str]]:
         rows.append(("peer access", ", ".join(peers)))
     device = torch.device("cuda", 0) if n else torch.device("cpu")
     for fmt in ("fp8-block", "bf16"):
-        path, why = select_path(PROBE_SHAPE, fmt, device)
-        rows.append((f"path ({fmt})", f"{path}: {why}"))
+        rows.append((f"path ({fmt})", _path(fmt, device)))
     return rows
 
 

@@ -46,10 +46,8 @@ def select_path(shape: MoEShape, fmt: str, device, num_ranks: int = 1) -> tuple[
             raise UnsupportedError(f"VLLM_MEGAMOE_PATH=sm90 but the SM90 kernel cannot run this layer: {why}")
         return "portable", f"{arch} GPU but the SM90 kernel cannot run this layer: {why}"
     if major == 10:
-        if forced == "sm100":
-            raise UnsupportedError("VLLM_MEGAMOE_PATH=sm100: the DeepGEMM SM100 adapter is not "
-                                   "part of this version yet")
-        return "portable", f"{arch} GPU: the DeepGEMM SM100 adapter is not part of this version yet"
+        from .sm100 import path as sm100_path
+        return sm100_path.select(shape, fmt, num_ranks, forced, arch)
     if forced != "auto":
         raise UnsupportedError(f"VLLM_MEGAMOE_PATH={forced} cannot run on {arch}")
     return "portable", f"{arch} GPU has no megamoe kernel (SM90 and SM100 only)"
@@ -77,4 +75,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         from .kernels import sm90_mega_moe
         return sm90_mega_moe.mega_moe(x, topk_idx, topk_weights, weights, buffer,
                                       activation_clamp=activation_clamp)
+    if path == "sm100":
+        from .sm100 import op as sm100_op
+        return sm100_op.mega_moe(x, topk_idx, topk_weights, weights, buffer,
+                                 activation_clamp=activation_clamp)
     raise UnsupportedError(f"path {path!r} is not available in this version")

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .. import quant, transforms
+from .. import quant
 from ..shape import require
 from ..weights import WEIGHT_BLOCK, ExpertWeights, transform_weights_for_mega_moe
 
@@ -111,12 +111,7 @@ def to_kernel_layout(w13: torch.Tensor, w2: torch.Tensor, *, arch: str, fmt: str
                                                                w2_scale_inv), fmt)
         k = transform_weights_for_mega_moe(weights, "sm90")
         return KernelExperts(k.w13, k.w2, k.w13_scale, k.w2_scale)
-    f13, f2 = _float_weights(w13, w2, w13_scale_inv, w2_scale_inv)
-    if fmt == "bf16":
-        return KernelExperts(transforms.interleave_gate_up(f13.to(torch.bfloat16)),
-                             f2.to(torch.bfloat16).contiguous())
-    q13, sf13 = quant.quantize_mxfp4(f13, MXFP4_GROUP)
-    q2, sf2 = quant.quantize_mxfp4(f2, MXFP4_GROUP)
-    return KernelExperts(transforms.interleave_gate_up(q13), q2,
-                         transforms.transpose_sf_for_utccp(transforms.interleave_gate_up(sf13)),
-                         transforms.transpose_sf_for_utccp(sf2))
+    # sm100: the same conversion the plugin runs at load time (MN-major, TMA-aligned scales).
+    from ..sm100.weights import convert_experts
+    return convert_experts(w13, w2, fmt=fmt, w13_scale_inv=w13_scale_inv,
+                           w2_scale_inv=w2_scale_inv).to_kernel_experts()
