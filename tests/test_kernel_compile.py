@@ -193,3 +193,21 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
     static = re.search(r"(\d+) bytes smem", compiled.log)
     if static:  # ptxas reports static shared memory; dynamic stages come on top of it
         assert int(static.group(1)) + sm90_mega_moe.dynamic_smem_bytes(spec) <= 227 * 1024
+
+
+def test_error_record_phases_match_the_kernel():
+    """Python's phase names are the CUDA enum's, in order; every record kind has a message."""
+    from vllm_megamoe.kernels import error_record
+
+    sync = (jit.csrc_dir() / "sm90" / "mega" / "sync.cuh").read_text()
+    enum = re.search(r"enum Phase : int \{([^}]*)\}", sync).group(1)
+    names = re.findall(r"case (kPhase\w+): return \"([^\"]+)\"", sync)
+    assert [n for _, n in names] == list(error_record.PHASES[:len(names)])
+    assert len(re.findall(r"kPhase\w+", enum)) == len(error_record.PHASES)
+    kinds = dict(re.findall(r"(kError\w+) = (\d+)", re.search(r"enum ErrorKind[^}]*\}", sync).group(0)))
+    assert {int(v) for v in kinds.values()} == {error_record.KIND_GRID_TIMEOUT, error_record.KIND_NVLINK_TIMEOUT,
+                                                 error_record.KIND_STAGING_FULL}
+    msg = error_record.describe([2, 0, 1, 0, 1, 1, 2, 0])
+    assert msg == ("megamoe: rank 0 timed out in dispatch (NVLink barrier): 1 ranks arrived (signal 1, target 2); "
+                   "a peer rank did not launch this call or died.")
+    assert error_record.describe([0] * 8) is None

@@ -27,23 +27,23 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
 
   stage_tokens(p, me);
   announce_pairs(p, me);
-  grid_sync(grid_counter, num_ctas, p.rank, kPhaseAnnounce, p.timeout_ns);
+  grid_sync(grid_counter, num_ctas, p.rank, kPhaseAnnounce, p.timeout_ns, p.error_record);
   publish_counts(p, me);
-  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseDispatchBarrier, p.timeout_ns);
+  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseDispatchBarrier, p.timeout_ns, p.error_record);
 
   build_expert_table(table, p, me);
   pull_rows(table, p, me);
-  grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns);
+  grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns, p.error_record);
 
   const u32 blocks = table.block_start[kNumLocalExperts];
   constexpr u32 kL1Tiles = 2 * kInter / kTileRows, kL2Tiles = kHidden / kTileRows;
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
     l1_task(table, epilogue, mainloop, p, me, task / kL1Tiles, task % kL1Tiles);
-  grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns);
+  grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns, p.error_record);
 
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
     l2_task(table, epilogue, mainloop, p, me, task / kL2Tiles, task % kL2Tiles);
-  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns);
+  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
 
   reduce_combine(p, me);
   reset_counters(me);

@@ -24,7 +24,12 @@ def _rank(rank, world, group, timeout_s):
         time.sleep(timeout_s * 4)  # alive but never launching: rank 0 must give up by itself
         return "skipped"
     sm90_mega_moe.mega_moe(x, idx, tw, weights.experts(0, 12), buf)
-    torch.cuda.synchronize()
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        from vllm_megamoe.kernels import error_record
+        print("REPORT:", error_record.report(dev), flush=True)  # readable after the trap
+        raise
     return "returned"
 
 

@@ -16,7 +16,7 @@ import torch
 from ..buffer import SymmBuffer
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
-from . import jit
+from . import error_record, jit
 
 SOURCE = "sm90/mega_moe_kernel.cu"
 ENTRY = "megamoe_sm90_fused"
@@ -42,7 +42,7 @@ class _Params(ctypes.Structure):
 
     _fields_ = [("x", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("topk_weights", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w13_scale", ctypes.c_void_p),
-                ("w2", ctypes.c_void_p), ("w2_scale", ctypes.c_void_p),
+                ("w2", ctypes.c_void_p), ("w2_scale", ctypes.c_void_p), ("error_record", ctypes.c_void_p),
                 ("peers", ctypes.c_void_p * MAX_RANKS), ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("has_clamp", ctypes.c_int),
                 ("clamp", ctypes.c_float)]
@@ -155,6 +155,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.w13, params.w2 = kw.w13.data_ptr(), kw.w2.data_ptr()
     if kw.format == "fp8-block":
         params.w13_scale, params.w2_scale = kw.w13_scale.data_ptr(), kw.w2_scale.data_ptr()
+    params.error_record = error_record.record_for(x.device).data_ptr()
     for r, ptr in enumerate(buffer.buffer_ptrs):
         params.peers[r] = ptr
     params.timeout_ns = int(buffer.timeout_s * 1e9)

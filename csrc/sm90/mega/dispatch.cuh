@@ -98,7 +98,8 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
       me.workspace()[kSlotErrorFlag] |= kErrorStagingOverflow;
       printf("megamoe: rank %d received %u rows but staging holds %u; build the SymmBuffer without "
              "ring_rows or with more of them.\n", p.rank, rows, kStagingRows);
-      __trap();
+      report_and_trap(p.error_record, kErrorStagingFull, p.rank, kPhasePull, static_cast<int>(rows),
+                      static_cast<int>(kStagingRows), 0);
     }
   }
   __syncthreads();

@@ -50,6 +50,25 @@ MEGAMOE_DEVICE const char* phase_name(int phase) {
   }
 }
 
+// What went wrong, written into host-mapped memory the host can read after the trap (device
+// printf output is not guaranteed to reach the host when a kernel traps). Layout, shared with
+// vllm_megamoe/kernels/error_record.py: {kind, rank, phase, cta, a, b, c, 0}.
+enum ErrorKind : int { kErrorGridTimeout = 1, kErrorNvlinkTimeout = 2, kErrorStagingFull = 3 };
+
+MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, int a, int b, int c) {
+  if (record != nullptr && atomicCAS(record, 0, kind) == 0) {
+    volatile int* r = record;
+    r[1] = rank;
+    r[2] = phase;
+    r[3] = static_cast<int>(blockIdx.x);
+    r[4] = a;
+    r[5] = b;
+    r[6] = c;
+    __threadfence_system();
+  }
+  __trap();
+}
+
 struct Deadline {
   u64 start_ns, timeout_ns;
   MEGAMOE_DEVICE bool expired() const { return global_timer_ns() - start_ns > timeout_ns; }
@@ -58,7 +77,7 @@ struct Deadline {
 // All CTAs of this launch meet. SM 0 adds (0x80000000 - (n - 1)), the others add 1, so each
 // barrier flips the top bit exactly once: waiters watch for the flip and the counter never needs
 // resetting between barriers or calls.
-MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u64 timeout_ns) {
+MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u64 timeout_ns, int* record) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();  // peer-memory writes of this CTA are visible before we arrive
@@ -71,7 +90,8 @@ MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u
                "(counter 0x%08x, arrived at 0x%08x); were all %u CTAs resident? Lower "
                "VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.\n",
                rank, blockIdx.x, phase_name(phase), ld_acquire_gpu(counter), old, num_ctas);
-        __trap();
+        report_and_trap(record, kErrorGridTimeout, rank, phase, static_cast<int>(ld_acquire_gpu(counter)),
+                        static_cast<int>(old), static_cast<int>(num_ctas));
       }
     }
   }
@@ -80,9 +100,9 @@ MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u
 
 // All ranks meet (after all CTAs of this rank did). Two signal words alternate and the sign of
 // the increment flips every second barrier, so the signals never need resetting either.
-MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, int phase, u64 timeout_ns) {
+MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, int phase, u64 timeout_ns, int* record) {
   int* ws_local = reinterpret_cast<int*>(peers[rank] + kOffWorkspace);
-  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, timeout_ns);
+  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, timeout_ns, record);
   if (blockIdx.x == 0) {
     const int status = ws_local[kSlotNvlCounter] & 3;
     const int signal_slot = kSlotNvlSignal0 + (status & 1);
@@ -103,12 +123,13 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, int
                  "a peer rank did not launch this call or died.\n",
                  rank, phase_name(phase), negative ? static_cast<int>(kNumRanks) - seen : seen, kNumRanks,
                  seen, target);
-          __trap();
+          report_and_trap(record, kErrorNvlinkTimeout, rank, phase,
+                          negative ? static_cast<int>(kNumRanks) - seen : seen, seen, target);
         }
       }
     }
   }
-  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, timeout_ns);
+  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, timeout_ns, record);
 }
 
 }  // namespace megamoe::mega
