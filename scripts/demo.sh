@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: a small random MoE layer run expert-parallel on 2 CPU
-# ranks through the portable megamoe path, checked against the float reference.
+# The main job on its embedded default: writes a tiny random MoE checkpoint (Qwen3-MoE style, no
+# downloads), generates text greedily through vLLM with its default MoE backend and with
+# --moe-backend megamoe, and prints both side by side. Arguments go to the demo
+# (--arch mixtral, --ep for expert parallelism over 2 ranks).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup_venv.sh"
-"$MEGAMOE_PY" -m vllm_megamoe.cli demo "$@"
+"$MEGAMOE_PY" -m vllm_megamoe.plugin.demo "$@"

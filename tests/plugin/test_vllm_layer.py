@@ -1,0 +1,172 @@
+"""Layer level, through vLLM's own MoE API (in process, no engine): vLLM's oracles hand out
+MegaMoEExperts for "megamoe"; vLLM's modular kernel (FusedMoEKernel with the pass-through
+prepare/finalize) runs it on BF16 and FP8 128x128-block weights and matches the reference;
+0-token batches, too-large batches, offline-converted weights."""
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+    fp8_w8a8_moe_quant_config,
+)
+from vllm.model_executor.layers.fused_moe.prepare_finalize.passthrough import (  # noqa: E402
+    PassThroughPrepareAndFinalize,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa: E402
+    kFp8Dynamic128Sym,
+    kFp8Static128BlockSym,
+    kFp8StaticTensorSym,
+    kNvfp4Static,
+)
+
+import vllm_megamoe.plugin as plugin  # noqa: E402
+from vllm_megamoe import reference, transforms  # noqa: E402
+from vllm_megamoe.weights import ExpertWeights  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+H, I, E, K = 256, 128, 8, 2
+BOUND = {"bf16": 1e-2, "fp8-block": 2e-2}  # vs the reference rounding where the kernels round
+
+
+@pytest.fixture(autouse=True)
+def fresh_worker():
+    plugin.register()
+    from vllm_megamoe.plugin import runtime
+    runtime.reset()
+    runtime.STATE.max_num_batched_tokens = 64
+    runtime.STATE.checkpoint_marker = None
+    yield runtime
+    runtime.reset()
+
+
+def moe_config(**overrides):
+    kw = dict(num_experts=E, experts_per_token=K, hidden_dim=H, intermediate_size=I,
+              num_local_experts=E, num_logical_experts=E, activation=MoEActivation.SILU,
+              device="cpu", routing_method=RoutingMethodType.Renormalize,
+              moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+              in_dtype=torch.bfloat16, moe_backend="megamoe")
+    kw.update(overrides)
+    return FusedMoEConfig(**kw)
+
+
+class FakeLayer(torch.nn.Module):
+    """What MegaMoEExperts reads from vLLM's RoutedExperts."""
+
+    def __init__(self, weights: ExpertWeights):
+        super().__init__()
+        self.layer_name = "model.layers.0.mlp.experts"
+        self.expert_placement_strategy = "linear"
+        self.apply_router_weight_on_input = False
+        self.w13_weight = torch.nn.Parameter(weights.w13, requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(weights.w2, requires_grad=False)
+
+
+def make_kernel(fmt, gen, *, layout="checkpoint"):
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    weights = ExpertWeights.from_float(w13, w2, fmt)
+    if fmt == "bf16":
+        quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    else:
+        quant = fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
+                                          a1_scale=None, a2_scale=None, block_shape=[128, 128])
+    loaded = weights
+    if layout == "interleaved":  # what an offline-converted (sm90) checkpoint stores
+        from dataclasses import replace
+        loaded = replace(weights, w13=transforms.interleave_gate_up(weights.w13))
+    layer = FakeLayer(loaded)
+    experts = MegaMoEExperts(moe_config(), quant)
+    kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), experts)
+    experts.process_weights_after_loading(layer)
+    return kernel, layer, weights
+
+
+def run(kernel, layer, x, idx, tw):
+    return kernel.apply(x, layer.w13_weight, layer.w2_weight, topk_weights=tw, topk_ids=idx,
+                        activation=MoEActivation.SILU, global_num_experts=E, expert_map=None,
+                        apply_router_weight_on_input=False)
+
+
+def routing(t, gen):
+    x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(t, E, generator=gen), dim=1)[:, :K].to(torch.int32)
+    tw = torch.softmax(torch.randn(t, K, generator=gen), -1)
+    return x, idx, tw
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_modular_kernel_matches_reference(fmt, gen, fresh_worker):
+    kernel, layer, weights = make_kernel(fmt, gen)
+    assert kernel.output_is_reduced()
+    x, idx, tw = routing(37, gen)
+    idx[3, 1] = -1  # a masked route
+    y = run(kernel, layer, x, idx, tw)
+    w13, w2 = weights.dequantize()
+    emulate = "fp8" if fmt == "fp8-block" else "bf16"
+    ref = reference.moe_forward(x, idx, tw, w13, w2, emulate=emulate)
+    assert y.shape == (37, H) and y.dtype == torch.bfloat16
+    assert reference.relative_error(y, ref) < BOUND[fmt]
+    # The layer's parameters alias what the op reads (EPLB would permute exactly these).
+    experts = kernel.fused_experts
+    assert layer.w13_weight.data_ptr() == experts._weights.w13.data_ptr()
+    assert fresh_worker.STATE.buffer is not None and fresh_worker.STATE.buffer_tokens == 64
+
+
+def test_zero_tokens_and_too_many(gen):
+    kernel, layer, _ = make_kernel("bf16", gen)
+    x, idx, tw = routing(0, gen)
+    y = run(kernel, layer, x, idx, tw)  # an idle DP rank: the op still runs (a collective)
+    assert y.shape == (0, H)
+    x, idx, tw = routing(65, gen)
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_MAX_TOKENS_PER_RANK"):
+        run(kernel, layer, x, idx, tw)
+
+
+def test_offline_converted_weights_are_recognised(gen, fresh_worker):
+    """A checkpoint converted for sm90 stores w13 interleaved; on a CPU worker (portable path)
+    the plugin undoes the interleave instead of converting again, and the math is the same."""
+    fresh_worker.STATE.checkpoint_marker = fresh_worker.parse_checkpoint_marker(
+        {"format": "bf16", "arch": "sm90", "layout_version": 1})
+    kernel, layer, weights = make_kernel("bf16", gen, layout="interleaved")
+    x, idx, tw = routing(9, gen)
+    y = run(kernel, layer, x, idx, tw)
+    ref = reference.moe_forward(x, idx, tw, *weights.dequantize(), emulate="bf16")
+    assert reference.relative_error(y, ref) < BOUND["bf16"]
+    with pytest.raises(ValueError, match="layout_version"):
+        fresh_worker.parse_checkpoint_marker({"format": "bf16", "arch": "sm90",
+                                              "layout_version": 99})
+
+
+def test_oracles_are_intercepted():
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as uq_method
+    from vllm.model_executor.layers.fused_moe.oracle import fp8, nvfp4, unquantized
+    from vllm.model_executor.layers.quantization import fp8 as fp8_method
+
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    # Every module that imported an oracle name holds the wrapper.
+    assert uq_method.select_unquantized_moe_backend is unquantized.select_unquantized_moe_backend
+    assert fp8_method.select_fp8_moe_backend is fp8.select_fp8_moe_backend
+    assert hasattr(fp8.select_fp8_moe_backend, "__megamoe_original__")
+
+    assert unquantized.select_unquantized_moe_backend(moe_config())[1] is MegaMoEExperts
+    assert fp8.select_fp8_moe_backend(moe_config(), kFp8Static128BlockSym,
+                                      kFp8Dynamic128Sym)[1] is MegaMoEExperts
+    with pytest.raises(ValueError, match="128x128 block scales"):
+        fp8.select_fp8_moe_backend(moe_config(), kFp8StaticTensorSym, kFp8StaticTensorSym)
+    with pytest.raises(ValueError, match="does not run NVFP4"):
+        nvfp4.select_nvfp4_moe_backend(moe_config(), kNvfp4Static, None)
+    with pytest.raises(ValueError, match="remove --enable-lora"):
+        unquantized.select_unquantized_moe_backend(moe_config(is_lora_enabled=True))
+    # Other backends still reach vLLM's own oracle.
+    assert unquantized.select_unquantized_moe_backend(moe_config(moe_backend="auto"))[1] \
+        is not MegaMoEExperts

@@ -1,0 +1,28 @@
+"""vLLM integration of vllm-megamoe: `vllm serve MODEL --moe-backend megamoe`.
+
+vLLM loads `register` through the `vllm.general_plugins` entry point
+(`megamoe = vllm_megamoe.plugin:register`) in every process it starts: API server, engine
+core, each worker, sometimes more than once. `register` is idempotent. All vLLM-importing code
+of the package lives in this folder:
+
+  settings.py  VLLM_MEGAMOE_* environment variables and the VLLM_MEGAMOE_CONFIG YAML file
+  hooks.py     where the plugin hooks into vLLM (CLI choice, passthrough all2all, oracles, loader)
+  experts.py   MegaMoEExperts, the modular-kernel experts class that calls vllm_megamoe.ops
+  runtime.py   per-worker state: path choice, layer registry, the one SymmBuffer
+  demo.py      tiny random checkpoint -> text through vLLM with and without megamoe
+"""
+from __future__ import annotations
+
+BACKEND_NAME = "megamoe"
+
+_registered = False
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: make `megamoe` a valid --moe-backend (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from . import hooks
+    hooks.install()
+    _registered = True

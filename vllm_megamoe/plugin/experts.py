@@ -1,0 +1,268 @@
+"""MegaMoEExperts: the megamoe op as a vLLM modular-kernel experts implementation.
+
+Paired with vLLM's pass-through prepare/finalize (all2all_backend="passthrough"): the op routes
+on vLLM's top-k output, dispatches tokens to the ranks owning their experts, runs both expert
+GEMMs and combines the weighted results itself, so vLLM does no EP communication around it.
+Template: vllm/model_executor/layers/fused_moe/experts/flashinfer_moe_ep.py.
+"""
+from __future__ import annotations
+
+import torch
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    FusedMoEQuantConfig,
+)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceNoOP,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    QuantKey,
+    kFp8Dynamic128Sym,
+    kFp8Static128BlockSym,
+)
+from vllm.model_executor.utils import replace_parameter
+
+from .. import ops, transforms
+from ..shape import CHANNEL_ALIGN, MoEShape
+from ..weights import ExpertWeights, transform_weights_for_mega_moe
+from . import runtime
+
+BACKEND = "megamoe"
+# (weight_key, activation_key) pairs the backend runs: BF16, and FP8 128x128 block weights with
+# dynamic per-token-group (1x128) FP8 activations (DeepSeek-V3 / Qwen3-FP8 recipe).
+SUPPORTED_QUANT = {(None, None): "bf16", (kFp8Static128BlockSym, kFp8Dynamic128Sym): "fp8-block"}
+SUPPORTED_TEXT = ("unquantized BF16 checkpoints and FP8 checkpoints with 128x128 block scales "
+                  "(quantization_config.weight_block_size [128, 128])")
+
+
+def unsupported_reasons(moe: FusedMoEConfig, weight_key: QuantKey | None = None,
+                        activation_key: QuantKey | None = None) -> list[str]:
+    """What keeps megamoe from running this MoE layer, each with the change that fixes it."""
+    par = moe.moe_parallel_config
+    reasons = []
+    if (weight_key, activation_key) not in SUPPORTED_QUANT:
+        reasons.append(f"quantization {weight_key} x {activation_key}: megamoe runs only "
+                       f"{SUPPORTED_TEXT}; serve this checkpoint without --moe-backend megamoe")
+    if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
+        reasons.append(f"activation {moe.activation.value}: megamoe runs SwiGLU (silu and mul) "
+                       "experts only")
+    if moe.in_dtype != torch.bfloat16:
+        reasons.append(f"activation dtype {moe.in_dtype}: serve with --dtype bfloat16")
+    if moe.has_bias:
+        reasons.append("expert biases: megamoe experts have no bias terms")
+    if moe.swiglu_alpha is not None or moe.swiglu_beta is not None:
+        reasons.append("custom SwiGLU alpha/beta")
+    if moe.is_lora_enabled:
+        reasons.append("LoRA on MoE layers: remove --enable-lora (or drop --moe-backend megamoe)")
+    if moe.skip_final_all_reduce:
+        reasons.append("a model that fuses the MoE all-reduce into its next layer "
+                       "(skip_final_all_reduce)")
+    if par.dp_size > 1 and not par.use_ep:
+        reasons.append(f"data parallel (size {par.dp_size}) without expert parallel: add "
+                       "--enable-expert-parallel")
+    if par.pcp_size > 1:
+        reasons.append("prefill context parallel: megamoe does not gather PCP ranks' tokens")
+    if par.use_batched_activation_format:
+        reasons.append(f"all2all backend {par.all2all_backend!r}: leave --all2all-backend unset")
+    if moe.num_experts % max(par.ep_size, 1):
+        reasons.append(f"{moe.num_experts} experts on {par.ep_size} EP ranks: megamoe needs the "
+                       "same number of experts on every rank (pick an EP size that divides it)")
+    for name, size in (("hidden size", moe.hidden_dim),
+                       ("expert intermediate size per rank", moe.intermediate_size_per_partition)):
+        if size % CHANNEL_ALIGN:
+            hint = (" (use --enable-expert-parallel instead of sharding experts with TP)"
+                    if "intermediate" in name and par.tp_size > 1 else "")
+            reasons.append(f"{name} {size} is not a multiple of {CHANNEL_ALIGN}{hint}")
+    return reasons
+
+
+def check_layer(moe: FusedMoEConfig, weight_key=None, activation_key=None) -> str:
+    """Raise ValueError listing every unsupported feature of the layer; return its format."""
+    reasons = unsupported_reasons(moe, weight_key, activation_key)
+    if reasons:
+        raise ValueError(
+            f"--moe-backend {BACKEND} cannot run this model's MoE layers "
+            f"({moe.num_experts} experts, top-{moe.experts_per_token}, hidden {moe.hidden_dim}, "
+            f"intermediate {moe.intermediate_size_per_partition} per rank):\n  - "
+            + "\n  - ".join(reasons)
+            + f"\nTo serve it anyway, leave --moe-backend unset (vLLM picks its default).")
+    return SUPPORTED_QUANT[(weight_key, activation_key)]
+
+
+class _ReduceNoOp(TopKWeightAndReduceNoOP):
+    """The op's output is weighted and reduced already. Also copes with the one padding row
+    MegaMoEExperts.moe_problem_size adds for empty batches."""
+
+    def apply(self, output, fused_expert_output, topk_weights, topk_ids,
+              apply_router_weight_on_input):
+        if output is not None and fused_expert_output.size(0) != output.size(0):
+            fused_expert_output = fused_expert_output[: output.size(0)]
+        return super().apply(output, fused_expert_output, topk_weights, topk_ids,
+                             apply_router_weight_on_input)
+
+
+class MegaMoEExperts(mk.FusedMoEExpertsModular):
+    """One megamoe call per MoE layer forward; see the module docstring."""
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig) -> None:
+        super().__init__(moe_config, quant_config)
+        self._weights: ExpertWeights | None = None
+        self._path: str | None = None
+        self._tp_group = None
+        self.layer_name = "?"
+
+    # -- capabilities (the oracle's checks) -----------------------------------------------
+    @staticmethod
+    def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+        supported, reason = mk.FusedMoEExperts.is_supported_config(
+            cls, moe_config, weight_key, activation_key, activation_format)
+        if not supported:
+            return False, reason
+        reasons = unsupported_reasons(moe_config, weight_key, activation_key)
+        return (False, "; ".join(reasons)) if reasons else (True, None)
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True  # CUDA runs a kernel or the portable path; anything else the portable path
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) in SUPPORTED_QUANT
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
+        return not moe_parallel_config.use_batched_activation_format
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return True  # the op quantizes activations itself
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return _ReduceNoOp()
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                         expert_tokens_meta, activation):
+        return (0,), (0,), (M, K)
+
+    def moe_problem_size(self, a1, w1, w2, topk_ids):
+        # vLLM skips the experts for an empty batch, but the op is a collective: an idle rank
+        # (0 tokens) must still take part, so report one row and let apply() use none of it.
+        E, M, N, K, topk = super().moe_problem_size(a1, w1, w2, topk_ids)
+        return E, max(M, 1), N, K, topk
+
+    # -- load time ------------------------------------------------------------------------
+    @property
+    def is_prepared(self) -> bool:
+        return self._weights is not None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Convert the layer's weights to the layout of the path that will run, rebind the
+        layer's parameters to alias them (the originals are freed), register with the worker.
+        Idempotent; vLLM's FP8 method does not call it, the loader hook (hooks.py) does."""
+        if self._weights is not None:
+            return
+        moe = self.moe_config
+        par = moe.moe_parallel_config
+        self.layer_name = getattr(layer, "layer_name", type(layer).__name__)
+        placement = getattr(layer, "expert_placement_strategy", "linear")
+        if par.use_ep and placement != "linear":
+            raise ValueError(f"{self.layer_name}: --moe-backend {BACKEND} needs linear expert "
+                             f"placement, got {placement!r}; set "
+                             "--expert-placement-strategy linear")
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise ValueError(f"{self.layer_name}: the model applies router weights to the MoE "
+                             f"input; --moe-backend {BACKEND} applies them after SwiGLU. Leave "
+                             "--moe-backend unset for this model")
+        fmt = "fp8-block" if self.quant_config.use_fp8_w8a8 else "bf16"
+        if fmt == "fp8-block" and list(self.quant_config.block_shape or []) != [128, 128]:
+            raise ValueError(f"{self.layer_name}: FP8 block shape {self.quant_config.block_shape}"
+                             f"; --moe-backend {BACKEND} needs 128x128 weight blocks")
+        marker = runtime.STATE.checkpoint_marker
+        layout = "checkpoint"
+        if marker is not None:
+            if marker["format"] != fmt:
+                raise ValueError(
+                    f"config.json says the checkpoint was converted to megamoe format "
+                    f"{marker['format']!r} but vLLM loaded {fmt!r} MoE weights; check the "
+                    "quantization_config of the converted checkpoint")
+            layout = marker["layout"]
+        weights = ExpertWeights(
+            fmt, layer.w13_weight.data, layer.w2_weight.data,
+            self.quant_config.w1_scale if fmt != "bf16" else None,
+            self.quant_config.w2_scale if fmt != "bf16" else None, layout=layout)
+        ep_size = par.ep_size if par.use_ep else 1
+        shape = MoEShape(weights.hidden, weights.intermediate, weights.num_experts * ep_size,
+                         moe.experts_per_token).validate(ep_size)
+        device = weights.w13.device
+        self._path, _ = runtime.choose_path(shape, fmt, device)
+        weights = to_path_layout(weights, self._path)
+        for name, tensor in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
+            if getattr(layer, name).data is not tensor:
+                replace_parameter(layer, name, tensor)
+        self._weights = weights
+        self._clamp = self.activation_config.clamp_limit
+        group = None
+        if par.use_ep and ep_size > 1:
+            from vllm.distributed import get_ep_group
+            coord = get_ep_group()
+            group = coord.cpu_group if device.type == "cpu" else coord.device_group
+        elif par.tp_size > 1:
+            # EP off: experts are TP-sharded on the intermediate dim; each rank runs its shard
+            # alone and the partial sums are all-reduced here (pass-through finalize is final).
+            from vllm.distributed import get_tp_group
+            self._tp_group = get_tp_group()
+        runtime.register_layer(runtime.LayerInfo(
+            self.layer_name, shape, fmt, device, group, par.ep_rank if group else 0, ep_size))
+
+    # -- forward --------------------------------------------------------------------------
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input) -> None:
+        if self._weights is None:
+            raise RuntimeError(f"{self.layer_name}: megamoe weights were not processed; the "
+                               "vLLM loader hook of vllm_megamoe.plugin did not run")
+        buf = runtime.buffer()
+        n = hidden_states.size(0)
+        if n > runtime.STATE.buffer_tokens:
+            raise ValueError(
+                f"{self.layer_name}: a batch of {n} tokens exceeds the megamoe buffer "
+                f"(max_tokens_per_rank={runtime.STATE.buffer_tokens}); raise "
+                "VLLM_MEGAMOE_MAX_TOKENS_PER_RANK or lower --max-num-batched-tokens")
+        y = ops.mega_moe(hidden_states, topk_ids, topk_weights.float(), self._weights, buf,
+                         activation_clamp=self._clamp, path=self._path)
+        if self._tp_group is not None:
+            y = self._tp_group.all_reduce(y)
+        output[:n].copy_(y)
+
+
+def to_path_layout(weights: ExpertWeights, path: str) -> ExpertWeights:
+    """The weights in the layout `path` reads; unchanged when they already are (weights of a
+    checkpoint converted offline for this path are never converted again)."""
+    want = runtime.PATH_LAYOUT[path]
+    if weights.layout == want:
+        return weights
+    if want == "checkpoint":
+        # Converted offline for a kernel, but this GPU runs the portable path.
+        runtime.logger.warning("megamoe: checkpoint was converted for a kernel layout (%s) but "
+                               "the portable path runs here; undoing the gate/up interleave",
+                               weights.layout)
+        from dataclasses import replace
+        return replace(weights, w13=transforms.deinterleave_gate_up(weights.w13).contiguous(),
+                       layout="checkpoint")
+    return transform_weights_for_mega_moe(weights, path)

@@ -1,0 +1,190 @@
+"""Plugin tunables: `VLLM_MEGAMOE_*` environment variables and an optional YAML file.
+
+Every key has an environment variable (`VLLM_MEGAMOE_<KEY>`, upper case) and may also be set
+in the YAML file named by `VLLM_MEGAMOE_CONFIG` (a mapping of key -> value; `-` and `_` are
+interchangeable in keys). The environment wins over the file. An unknown key in the file, or an
+unknown `VLLM_MEGAMOE_*` variable, is an error that names it (and the closest known key), so a
+typo never silently does nothing.
+
+Keys the core package reads from the environment itself (path, timeout_s, shm_dir, JIT
+settings) are exported to the environment when they come from the file, so the core sees the
+same value. This module imports neither vLLM nor torch.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+ENV_PREFIX = "VLLM_MEGAMOE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+
+
+def _positive_int(v: Any) -> int:
+    n = int(str(v).strip())
+    if n <= 0:
+        raise ValueError("must be a positive integer")
+    return n
+
+
+def _positive_float(v: Any) -> float:
+    x = float(str(v).strip())
+    if not x > 0:
+        raise ValueError("must be a positive number")
+    return x
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        s = str(v).strip().lower()
+        if s not in choices:
+            raise ValueError(f"must be one of {list(choices)}")
+        return s
+    return parse
+
+
+def _text(v: Any) -> str:
+    s = str(v).strip()
+    if not s:
+        raise ValueError("must not be empty")
+    return s
+
+
+def _flag(v: Any) -> str:
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return "1"
+    if s in ("0", "false", "no", "off", ""):
+        return "0"
+    raise ValueError("must be a boolean (1/0, true/false)")
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    core_env: bool = False  # read from the environment by the core package itself
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("max_tokens_per_rank", _positive_int, None,
+        "Tokens one rank may send through the buffer in one forward. Default: vLLM's "
+        "--max-num-batched-tokens. A larger batch is an error naming this key."),
+    Key("path", _choice("auto", "portable", "sm90", "sm100"), "auto",
+        "Which implementation runs: auto (best for the GPU), or force portable/sm90/sm100.",
+        core_env=True),
+    Key("fallback", _choice("portable", "error"), "portable",
+        "When a GPU has no usable megamoe kernel for a layer: run the portable path (logged), "
+        "or fail at startup."),
+    Key("timeout_s", _positive_float, 60.0,
+        "Seconds a rank waits at a buffer barrier before failing with the missing ranks.",
+        core_env=True),
+    Key("shm_dir", _text, "/dev/shm", "Directory of the CPU shared-memory buffer files.",
+        core_env=True),
+    Key("cache_dir", _text, None, "Where compiled kernels are cached (default: the core's).",
+        core_env=True),
+    Key("csrc_dir", _text, None, "CUDA sources to JIT-compile (default: the packaged ones).",
+        core_env=True),
+    Key("jit_compiler", _text, None, "JIT compiler choice of the core (see docs).", core_env=True),
+    Key("nvcc", _text, None, "nvcc binary for the JIT (see docs).", core_env=True),
+    Key("jit_lineinfo", _flag, "0", "Compile kernels with line info (profiling).", core_env=True),
+)}
+
+
+@dataclass(frozen=True)
+class Settings:
+    values: Mapping[str, Any] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)  # key -> "env" | file path | "default"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={self.values[k]!r} ({self.sources[k]})"
+                         for k in KEYS if self.sources.get(k, "default") != "default") or "defaults"
+
+
+def _closest(name: str, known) -> str:
+    near = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        import yaml
+    except ImportError as e:  # PyYAML is a dependency of vllm and of this package
+        raise ValueError(f"{CONFIG_ENV}={path}: reading it needs PyYAML (pip install pyyaml)") from e
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"{CONFIG_ENV}={path}: cannot read the file ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"{CONFIG_ENV}={path}: not valid YAML ({e})") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{CONFIG_ENV}={path}: expected a mapping of key: value, got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def load_settings(environ: Optional[Mapping[str, str]] = None, *, export: bool = True) -> Settings:
+    """Read and validate every tunable; raise ValueError naming the offending key.
+
+    export: copy file-provided values of core-read keys into os.environ (only when `environ`
+    is os.environ and the variable is not set already).
+    """
+    env = os.environ if environ is None else environ
+    known_env = {k.env: k for k in KEYS.values()}
+    for var in env:
+        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV and var not in known_env:
+            raise ValueError(f"unknown environment variable {var}{_closest(var, known_env)}; "
+                             f"known: {sorted(known_env) + [CONFIG_ENV]}")
+
+    file_values: dict[str, Any] = {}
+    path = env.get(CONFIG_ENV)
+    if path:
+        for raw_key, value in _read_yaml(path).items():
+            key = str(raw_key).strip().replace("-", "_").lower()
+            if key not in KEYS:
+                raise ValueError(f"{path}: unknown key {raw_key!r}{_closest(key, KEYS)}; known "
+                                 f"keys: {sorted(KEYS)}")
+            file_values[key] = value
+
+    values, sources = {}, {}
+    for key in KEYS.values():
+        if key.env in env:
+            raw, src, where = env[key.env], "env", key.env
+        elif key.name in file_values:
+            raw, src, where = file_values[key.name], path, f"{path}: {key.name}"
+        else:
+            values[key.name], sources[key.name] = key.default, "default"
+            continue
+        try:
+            values[key.name] = None if raw is None else key.parse(raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}={raw!r}: {e}") from None
+        sources[key.name] = src
+        if (export and environ is None and src == path and key.core_env
+                and values[key.name] is not None):
+            os.environ[key.env] = str(values[key.name])
+    return Settings(values, sources)
+
+
+def env_help() -> str:
+    """Markdown table of the keys (docs/serving.md quotes it)."""
+    rows = ["| key (YAML) | environment variable | default | meaning |", "| --- | --- | --- | --- |"]
+    for k in KEYS.values():
+        rows.append(f"| `{k.name}` | `{k.env}` | `{k.default}` | {k.help} |")
+    return "\n".join(rows)
