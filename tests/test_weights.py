@@ -52,3 +52,16 @@ def test_weights_bad_input(gen):
         ExpertWeights("int4", q13, q2, s13, s2)
     with pytest.raises(ValueError, match="takes no scales"):
         ExpertWeights("bf16", w13.bfloat16(), w2.bfloat16(), s13, s2)
+
+
+def test_prepare_weights_per_path(gen):
+    from vllm_megamoe import ops
+    w = ExpertWeights.from_float(*_float_weights(gen), "fp8-block")
+    k = ops.prepare_weights(w, "sm90")
+    assert k.layout == "interleaved" and ops.prepare_weights(k, "sm90") is k
+    back = ops.prepare_weights(k, "portable")  # converted offline, but the portable path runs
+    assert back.layout == "checkpoint"
+    assert torch.equal(back.w13.view(torch.uint8), w.w13.view(torch.uint8))
+    assert ops.prepare_weights(w, "portable") is w
+    with pytest.raises(ValueError, match="own weight class"):
+        ops.prepare_weights(w, "sm100")

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from . import portable
+from . import portable, transforms
 from .buffer import SymmBuffer
 from .errors import UnsupportedError
 from .shape import MoEShape, require
-from .weights import ExpertWeights
+from .weights import ExpertWeights, transform_weights_for_mega_moe
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,28 @@ def select_path(shape: MoEShape, fmt: str, device, num_ranks: int = 1) -> tuple[
     if forced != "auto":
         raise UnsupportedError(f"VLLM_MEGAMOE_PATH={forced} cannot run on {arch}")
     return "portable", f"{arch} GPU has no megamoe kernel (SM90 and SM100 only)"
+
+
+# Weight layout each path reads.
+PATH_LAYOUT = {"portable": "checkpoint", "sm90": "interleaved"}
+
+
+def prepare_weights(weights: ExpertWeights, path: str) -> ExpertWeights:
+    """The weights in the layout `path` reads (load-time conversion); returned unchanged when
+    they already are, so weights converted offline for this path are never converted again."""
+    require(path in PATH_LAYOUT, f"path {path!r} takes its own weight class (see vllm_megamoe.sm100); "
+            f"prepare_weights handles {sorted(PATH_LAYOUT)}")
+    want = PATH_LAYOUT[path]
+    if weights.layout == want:
+        return weights
+    if want == "checkpoint":
+        # Converted for a kernel, but the portable path runs here: undo the gate/up interleave
+        # (on the raw bytes, which works for every weight dtype).
+        w13 = transforms.deinterleave_gate_up(weights.w13.view(torch.uint8)).view(weights.w13.dtype)
+        logger.warning("megamoe: weights are in the %s kernel layout but the portable path runs; "
+                       "undoing the gate/up interleave", weights.layout)
+        return replace(weights, w13=w13, layout="checkpoint")
+    return transform_weights_for_mega_moe(weights, path)
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

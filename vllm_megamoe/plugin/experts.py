@@ -26,9 +26,9 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm.model_executor.utils import replace_parameter
 
-from .. import ops, transforms
+from .. import ops
 from ..shape import CHANNEL_ALIGN, MoEShape
-from ..weights import ExpertWeights, transform_weights_for_mega_moe
+from ..weights import ExpertWeights
 from . import runtime
 
 BACKEND = "megamoe"
@@ -210,8 +210,8 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         shape = MoEShape(weights.hidden, weights.intermediate, weights.num_experts * ep_size,
                          moe.experts_per_token).validate(ep_size)
         device = weights.w13.device
-        self._path, _ = runtime.choose_path(shape, fmt, device)
-        weights = to_path_layout(weights, self._path)
+        self._path, _ = runtime.choose_path(shape, fmt, device, ep_size)
+        weights = ops.prepare_weights(weights, self._path)
         for name, tensor in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
             if getattr(layer, name).data is not tensor:
                 replace_parameter(layer, name, tensor)
@@ -249,20 +249,3 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         if self._tp_group is not None:
             y = self._tp_group.all_reduce(y)
         output[:n].copy_(y)
-
-
-def to_path_layout(weights: ExpertWeights, path: str) -> ExpertWeights:
-    """The weights in the layout `path` reads; unchanged when they already are (weights of a
-    checkpoint converted offline for this path are never converted again)."""
-    want = runtime.PATH_LAYOUT[path]
-    if weights.layout == want:
-        return weights
-    if want == "checkpoint":
-        # Converted offline for a kernel, but this GPU runs the portable path.
-        runtime.logger.warning("megamoe: checkpoint was converted for a kernel layout (%s) but "
-                               "the portable path runs here; undoing the gate/up interleave",
-                               weights.layout)
-        from dataclasses import replace
-        return replace(weights, w13=transforms.deinterleave_gate_up(weights.w13).contiguous(),
-                       layout="checkpoint")
-    return transform_weights_for_mega_moe(weights, path)

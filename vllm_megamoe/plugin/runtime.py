@@ -22,10 +22,6 @@ from .settings import Settings, load_settings
 # Under the "vllm" logger tree so the lines show in vLLM's log format and level.
 logger = logging.getLogger("vllm.plugins.megamoe")
 
-# Weight layout each path reads (portable: vLLM's checkpoint order).
-PATH_LAYOUT = {"portable": "checkpoint", "sm90": "interleaved", "sm100": "sm100"}
-
-
 @dataclass
 class LayerInfo:
     name: str
@@ -83,12 +79,12 @@ def parse_checkpoint_marker(marker: Any) -> dict:
     return dict(marker, layout="interleaved")
 
 
-def choose_path(shape: MoEShape, fmt: str, device: torch.device) -> tuple[str, str]:
+def choose_path(shape: MoEShape, fmt: str, device: torch.device, num_ranks: int = 1) -> tuple[str, str]:
     """(path, reason) for a layer; applies the `fallback` setting. Cached per shape."""
     key = (shape, fmt, str(device))
     if key not in STATE.paths:
         settings()  # validates the tunables and exports file values the core reads
-        path, reason = ops.select_path(shape, fmt, device)
+        path, reason = ops.select_path(shape, fmt, device, num_ranks)
         if device.type == "cuda" and path == "portable" and settings().fallback == "error":
             raise UnsupportedError(
                 f"megamoe has no kernel for this layer on this GPU ({reason}) and "
