@@ -58,13 +58,16 @@ def select_path(shape: MoEShape, fmt: str, device, num_ranks: int = 1) -> tuple[
 PATH_LAYOUT = {"portable": "checkpoint", "sm90": "interleaved"}
 
 
-def prepare_weights(weights: ExpertWeights, path: str) -> ExpertWeights:
+def prepare_weights(weights: ExpertWeights, path: str, device=None) -> ExpertWeights:
     """The weights in the layout `path` reads (load-time conversion); returned unchanged when
-    they already are, so weights converted offline for this path are never converted again."""
+    they already are, so weights converted offline for this path are never converted again.
+    The portable path on the CPU reads either layout (it multiplies dequantized float weights);
+    `device` (default: where the weights are) decides that."""
     require(path in PATH_LAYOUT, f"path {path!r} takes its own weight class (see vllm_megamoe.sm100); "
             f"prepare_weights handles {sorted(PATH_LAYOUT)}")
     want = PATH_LAYOUT[path]
-    if weights.layout == want:
+    device = torch.device(device) if device is not None else weights.w13.device
+    if weights.layout == want or (path == "portable" and device.type == "cpu"):
         return weights
     if want == "checkpoint":
         # Converted for a kernel, but the portable path runs here: undo the gate/up interleave

@@ -290,9 +290,9 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """
     require(mode in MODES, f"mode={mode!r} must be one of {MODES}")
     shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
-    require(weights.layout == "checkpoint",
-            "the portable path reads checkpoint-layout weights; keep an un-interleaved copy or "
-            "use ExpertWeights.dequantize()")
+    require(weights.layout == "checkpoint" or not x.is_cuda,
+            "the portable path on CUDA reads checkpoint-layout weights; convert them with "
+            "ops.prepare_weights(weights, 'portable')")
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if mode == "auto":
         mode = "padded" if capturing else "exact"

@@ -53,6 +53,9 @@ def install() -> None:
                   _wrap_set_platform_defaults)
     _patch("vllm.model_executor.model_loader.utils", "process_weights_after_loading",
            _wrap_process_weights_after_loading)
+    from .converted import wrap_load_weights
+    _patch_method("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader", "load_weights",
+                  wrap_load_weights)
 
 
 # -- patching machinery ---------------------------------------------------------------------
