@@ -110,9 +110,11 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
 
     def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig) -> None:
         super().__init__(moe_config, quant_config)
-        self._weights: ExpertWeights | None = None
+        self._weights = None  # ExpertWeights, or sm100.weights.Sm100Weights on the SM100 path
         self._path: str | None = None
         self._tp_group = None
+        self._sm100_op = None
+        self._shape = None
         self.layer_name = "?"
 
     # -- capabilities (the oracle's checks) -----------------------------------------------
@@ -211,7 +213,13 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
                          moe.experts_per_token).validate(ep_size)
         device = weights.w13.device
         self._path, _ = runtime.choose_path(shape, fmt, device, ep_size)
-        weights = ops.prepare_weights(weights, self._path)
+        if self._path == "sm100":
+            # DeepGEMM's Blackwell kernel: MXFP4 (FP8 checkpoints) or BF16, its own layout.
+            from ..sm100.weights import convert_experts
+            weights = convert_experts(weights.w13, weights.w2, w13_scale_inv=weights.w13_scale,
+                                      w2_scale_inv=weights.w2_scale)
+        else:
+            weights = ops.prepare_weights(weights, self._path)
         for name, tensor in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
             if getattr(layer, name).data is not tensor:
                 replace_parameter(layer, name, tensor)
@@ -227,8 +235,22 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
             # alone and the partial sums are all-reduced here (pass-through finalize is final).
             from vllm.distributed import get_tp_group
             self._tp_group = get_tp_group()
+        layer_format = weights.mma_type if self._path == "sm100" else fmt
         runtime.register_layer(runtime.LayerInfo(
-            self.layer_name, shape, fmt, device, group, par.ep_rank if group else 0, ep_size))
+            self.layer_name, shape, layer_format, device, group, par.ep_rank if group else 0, ep_size))
+        self._shape = shape
+
+    def bind_buffer(self) -> None:
+        """After the worker's buffers exist (finish_model): the SM100 path's per-layer op."""
+        if self._path != "sm100" or self._sm100_op is not None:
+            return
+        from ..sm100.activation import activation_from_hf_config
+        from ..sm100.op import Sm100MoE
+        buf = runtime.sm100_buffer(self._shape, self._weights.mma_type)
+        # SiLU is the only activation this experts class accepts (_supports_activation); the
+        # model's config adds a SwiGLU clamp or gpt-oss style alpha/beta where it has them.
+        activation = activation_from_hf_config(runtime.STATE.hf_config, "silu")
+        self._sm100_op = Sm100MoE(self._weights, buf, activation=activation)
 
     # -- forward --------------------------------------------------------------------------
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
@@ -237,8 +259,16 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         if self._weights is None:
             raise RuntimeError(f"{self.layer_name}: megamoe weights were not processed; the "
                                "vLLM loader hook of vllm_megamoe.plugin did not run")
-        buf = runtime.buffer()
         n = hidden_states.size(0)
+        if self._path == "sm100":
+            if n > runtime.STATE.buffer_tokens:
+                raise ValueError(
+                    f"{self.layer_name}: a batch of {n} tokens exceeds the megamoe buffer "
+                    f"(max_tokens_per_rank={runtime.STATE.buffer_tokens}); raise "
+                    "VLLM_MEGAMOE_MAX_TOKENS_PER_RANK or lower --max-num-batched-tokens")
+            self._sm100_op(hidden_states, topk_ids, topk_weights.float(), out=output[:n])
+            return
+        buf = runtime.buffer()
         if n > runtime.STATE.buffer_tokens:
             raise ValueError(
                 f"{self.layer_name}: a batch of {n} tokens exceeds the megamoe buffer "

@@ -294,7 +294,7 @@ def finish_model(model) -> int:
 
     from . import runtime
     from .experts import MegaMoEExperts
-    count, seen = 0, set()
+    count, seen, bound = 0, set(), []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if not isinstance(method, FusedMoEMethodBase) or id(module) in seen:
@@ -311,7 +311,10 @@ def finish_model(model) -> int:
                 "quantization method megamoe does not run (it runs unquantized BF16 and FP8 "
                 "128x128-block checkpoints). Leave --moe-backend unset for this checkpoint.")
         experts.process_weights_after_loading(module)
+        bound.append(experts)
         count += 1
     if count:
         runtime.ensure_buffer()
+        for experts in bound:
+            experts.bind_buffer()
     return count

@@ -41,7 +41,9 @@ class WorkerState:
     layers: list = field(default_factory=list)
     paths: dict = field(default_factory=dict)     # (shape, fmt, device) -> (path, reason)
     buffer: Optional[SymmBuffer] = None
+    sm100_buffers: dict = field(default_factory=dict)  # BufferSpec -> sm100.buffer.Sm100Buffer
     buffer_tokens: int = 0
+    hf_config: Any = None
 
 
 STATE = WorkerState()
@@ -62,6 +64,7 @@ def note_vllm_config(vllm_config) -> None:
         STATE.max_num_batched_tokens = int(sched.max_num_batched_tokens)
     model_config = getattr(vllm_config, "model_config", None)
     hf_config = getattr(model_config, "hf_config", None)
+    STATE.hf_config = hf_config
     marker = getattr(hf_config, "megamoe", None)
     STATE.checkpoint_marker = parse_checkpoint_marker(marker) if marker is not None else None
 
@@ -120,7 +123,7 @@ def max_tokens_per_rank() -> int:
 
 def ensure_buffer() -> Optional[SymmBuffer]:
     """Allocate the worker's SymmBuffer for every registered layer (once); return it."""
-    if STATE.buffer is not None or not STATE.layers:
+    if STATE.buffer is not None or STATE.sm100_buffers or not STATE.layers:
         return STATE.buffer
     first = STATE.layers[0]
     for info in STATE.layers[1:]:
@@ -129,11 +132,13 @@ def ensure_buffer() -> Optional[SymmBuffer]:
             raise RuntimeError(
                 f"megamoe: layers {first.name} and {info.name} differ in format, device or EP "
                 "group; one worker serves one model format on one EP group")
+    tokens = max_tokens_per_rank()
+    if all(STATE.paths[(i.shape, _path_format(i), str(i.device))][0] == "sm100" for i in STATE.layers):
+        return _ensure_sm100_buffers(first, tokens)
     shape = MoEShape(max(i.shape.hidden for i in STATE.layers),
                      max(i.shape.intermediate for i in STATE.layers),
                      max(i.shape.num_experts for i in STATE.layers),
                      max(i.shape.topk for i in STATE.layers))
-    tokens = max_tokens_per_rank()
     buf = SymmBuffer(shape, tokens, first.group, format=first.format, device=first.device,
                      timeout_s=settings().timeout_s)
     if buf.rank != first.ep_rank:
@@ -142,7 +147,7 @@ def ensure_buffer() -> Optional[SymmBuffer]:
             f"megamoe: rank {buf.rank} in the EP group is vLLM's EP rank {first.ep_rank}; the "
             "buffer needs the group's rank order to match vLLM's expert placement")
     STATE.buffer, STATE.buffer_tokens = buf, tokens
-    paths = sorted({STATE.paths[(i.shape, i.format, str(i.device))] for i in STATE.layers})
+    paths = sorted({STATE.paths[(i.shape, _path_format(i), str(i.device))] for i in STATE.layers})
     why = "; ".join(f"{p}: {r}" for p, r in paths)
     logger.info(
         "megamoe: EP rank %d/%d runs the %s path for %d MoE layers (%s); format %s; SymmBuffer "
@@ -150,6 +155,33 @@ def ensure_buffer() -> Optional[SymmBuffer]:
         buf.rank, buf.num_ranks, "+".join(p for p, _ in paths), len(STATE.layers), why,
         first.format, buf.backend, first.device, buf.layout.total_bytes / 2**20, tokens, shape)
     return buf
+
+
+def _path_format(info: LayerInfo) -> str:
+    """The checkpoint format the path was chosen for (SM100 layers register their mma type)."""
+    return {"fp8xfp4": "fp8-block", "bf16xbf16": "bf16"}.get(info.format, info.format)
+
+
+def _ensure_sm100_buffers(first: LayerInfo, tokens: int):
+    """DeepGEMM SymmBuffers for the SM100 path: one per distinct layer spec, sharing memory."""
+    from ..sm100.buffer import BufferSpec, create_worker_buffers
+    from ..sm100.discovery import require_deep_gemm
+    specs = [BufferSpec.of(i.shape, i.format, tokens) for i in STATE.layers]
+    STATE.sm100_buffers = create_worker_buffers(require_deep_gemm(), first.group, specs)
+    STATE.buffer_tokens = tokens
+    logger.info("megamoe: EP rank %d/%d runs the sm100 path (DeepGEMM) for %d MoE layers; %d buffer "
+                "spec(s) for max_tokens_per_rank=%d", first.ep_rank, first.ep_size, len(STATE.layers),
+                len(STATE.sm100_buffers), tokens)
+    return None
+
+
+def sm100_buffer(shape: MoEShape, mma_type: str):
+    from ..sm100.buffer import BufferSpec
+    spec = BufferSpec.of(shape, mma_type, STATE.buffer_tokens)
+    if spec not in STATE.sm100_buffers:
+        raise RuntimeError(f"megamoe: no SM100 buffer for {spec}; the worker's buffers were made "
+                           "before this layer was set up")
+    return STATE.sm100_buffers[spec]
 
 
 def buffer() -> SymmBuffer:
@@ -163,6 +195,9 @@ def reset() -> None:
     """Drop the buffer and every registered layer (tests; a worker never needs it)."""
     if STATE.buffer is not None:
         STATE.buffer.destroy()
+    for buf in STATE.sm100_buffers.values():
+        buf.destroy()
+    STATE.sm100_buffers = {}
     STATE.buffer = None
     STATE.layers.clear()
     STATE.paths.clear()

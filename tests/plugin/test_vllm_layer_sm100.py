@@ -1,0 +1,89 @@
+"""The plugin's SM100 wiring at layer level, on the CPU: with the path oracle answering "sm100"
+and a recording fake of DeepGEMM standing in for the compiled kernel (tests/sm100_fake_deepgemm.py
+computes the kernel's math in torch from what was staged), vLLM's modular kernel runs
+MegaMoEExperts through sm100.convert_experts, the worker's DeepGEMM buffers and Sm100MoE.
+No SM100 GPU has run this: it checks the plumbing (conversion, buffers made once, the call's
+arguments), not DeepGEMM."""
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    fp8_w8a8_moe_quant_config,
+)
+from vllm.model_executor.layers.fused_moe.prepare_finalize.passthrough import (  # noqa: E402
+    PassThroughPrepareAndFinalize,
+)
+
+from sm100_fake_deepgemm import make_fake  # noqa: E402
+from test_vllm_layer import FakeLayer, moe_config, routing, run  # noqa: E402
+from vllm_megamoe import ops, reference  # noqa: E402
+from vllm_megamoe.sm100 import discovery  # noqa: E402
+from vllm_megamoe.weights import ExpertWeights  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+H, I, E, K = 512, 512, 8, 2
+
+
+@pytest.fixture
+def sm100_worker(monkeypatch):
+    import vllm_megamoe.plugin as plugin
+    from vllm_megamoe.plugin import runtime
+    plugin.register()
+    runtime.reset()
+    runtime.STATE.max_num_batched_tokens = 64
+    runtime.STATE.checkpoint_marker = None
+    fake = make_fake("2.8.1")
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    discovery.reset()
+    monkeypatch.setattr(ops, "select_path", lambda *a, **k: ("sm100", "test: SM100 forced on the CPU"))
+    yield runtime, fake
+    runtime.reset()
+    discovery.reset()
+
+
+@pytest.mark.parametrize("fmt,bound", [("bf16", 1e-2), ("fp8-block", 6e-2)])
+def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
+    runtime, fake = sm100_worker
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    weights = ExpertWeights.from_float(w13, w2, fmt)
+    quant = FUSED_MOE_UNQUANTIZED_CONFIG if fmt == "bf16" else fp8_w8a8_moe_quant_config(
+        w1_scale=weights.w13_scale, w2_scale=weights.w2_scale, a1_scale=None, a2_scale=None,
+        block_shape=[128, 128])
+    layer = FakeLayer(weights)
+    experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I), quant)
+    kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), experts)
+    experts.process_weights_after_loading(layer)
+    runtime.ensure_buffer()
+    experts.bind_buffer()
+    assert len(runtime.STATE.sm100_buffers) == 1 and runtime.STATE.buffer is None
+    # The layer's parameters alias the kernel-layout tensors (FP8 checkpoints become MXFP4).
+    assert layer.w13_weight.data_ptr() == experts._weights.w13.data_ptr()
+    assert experts._weights.mma_type == ("bf16xbf16" if fmt == "bf16" else "fp8xfp4")
+    x, idx, tw = routing(21, gen)
+    x = torch.randn(21, H, generator=gen).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(21, E, generator=gen), dim=1)[:, :K].to(torch.int32)
+    y = run(kernel, layer, x, idx, tw)
+    kernels = [c[0] for c in fake.calls if c[0].endswith("mega_moe")]
+    assert kernels == ["bf16_mega_moe" if fmt == "bf16" else "fp8_fp4_mega_moe"]
+    # Against the weights the kernel holds (MXFP4 for FP8 checkpoints): only the activation
+    # rounding (FP8 with UE8M0 per-32 scales, BF16 intermediates) separates the two.
+    held = reference.moe_forward(x, idx, tw, *experts._weights.dequantize())
+    err_held = reference.relative_error(y, held)
+    # Against the checkpoint's weights: MXFP4 (1 mantissa bit) costs ~15% per weight matrix.
+    err_ckpt = reference.relative_error(y, reference.moe_forward(x, idx, tw, *weights.dequantize()))
+    print(f"{fmt}: relative error {err_held:.3e} vs held weights, {err_ckpt:.3e} vs checkpoint")
+    assert err_held < bound
+    assert err_ckpt < (2e-2 if fmt == "bf16" else 0.25)
