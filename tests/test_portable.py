@@ -116,3 +116,27 @@ def test_zero_tokens_single_rank():
     y = portable.mega_moe(torch.zeros(0, 256, dtype=torch.bfloat16), torch.zeros(0, 3, dtype=torch.long),
                           torch.zeros(0, 3), weights, buf)
     assert y.shape == (0, 256)
+
+
+def test_cuda_buffer_refuses_ranks_without_peer_access(monkeypatch):
+    """The CUDA backend checks every rank's host and P2P access before allocating anything."""
+    import torch.distributed as dist
+
+    from vllm_megamoe import PeerAccessError
+
+    buf = SymmBuffer.__new__(SymmBuffer)
+    buf.group, buf.num_ranks, buf.rank, buf.device = object(), 2, 0, torch.device("cuda", 0)
+
+    def gather(out, me, group=None):
+        out[:] = peers
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    peers = [("node-a", 0), ("node-b", 1)]
+    with pytest.raises(PeerAccessError, match="span hosts.*all2all backends"):
+        buf._check_peer_access()
+    peers = [("node-a", 0), ("node-a", 1)]
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    with pytest.raises(PeerAccessError, match=r"rank 0 \(cuda:0\) cannot access rank 1's GPU \(cuda:1\)"):
+        buf._check_peer_access()
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    buf._check_peer_access()  # one host, peer access everywhere: fine
