@@ -82,7 +82,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         core_env=True),
     Key("fallback", _choice("portable", "error"), "portable",
         "When a GPU has no usable megamoe kernel for a layer: run the portable path (logged), "
-        "or fail at startup."),
+        "or fail at startup.", core_env=True),  # the SM100 path reads it from the environment
     Key("timeout_s", _positive_float, 60.0,
         "Seconds a rank waits at a buffer barrier before failing with the missing ranks.",
         core_env=True),
