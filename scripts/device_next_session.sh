@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The next device session's first call (2 H200s): what this session could not finish.
+# The next device session's first calls (2 H200s): what this session could not finish.
+#   STEP=tests   the fused kernel's full test file (its mainloop code was refactored since it ran)
 #   STEP=graph   the CUDA-graph BF16 failure and the timeout probe, with full output
 #   STEP=smem    the cp.async shared-memory mainloop: kernel tests + timing next to the ldg one
 #   STEP=memcheck compute-sanitizer memcheck without host API noise
@@ -9,7 +10,10 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 T="-q -rs -p no:cacheprovider -o timeout=150"
-case "${STEP:-graph}" in
+case "${STEP:-tests}" in
+  tests)
+    timeout 560 python3 -m pytest $T tests/gpu/test_sm90_mega_moe.py tests/test_portable_gemm_gpu.py 2>&1 \
+      | tee "$OUT/tests.log" | tail -40 ;;
   graph)
     timeout 400 python3 -m pytest $T tests/gpu/test_sm90_mega_moe.py -k "cuda_graph or missing_peer" 2>&1 | tee "$OUT/graph.log" | tail -40 ;;
   smem)
