@@ -95,6 +95,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("jit_compiler", _text, None, "JIT compiler choice of the core (see docs).", core_env=True),
     Key("nvcc", _text, None, "nvcc binary for the JIT (see docs).", core_env=True),
     Key("jit_lineinfo", _flag, "0", "Compile kernels with line info (profiling).", core_env=True),
+    Key("num_sms", _positive_int, None,
+        "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
+        "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
+    Key("sm90_mainloop", _choice("ldg", "smem"), None,
+        "GEMM mainloop of the SM90 kernel: ldg (default) or smem (cp.async stages).", core_env=True),
 )}
 
 
