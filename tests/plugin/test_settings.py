@@ -64,3 +64,16 @@ def test_docs_list_every_key():
     for key in KEYS.values():
         assert key.env in docs, f"docs/serving.md does not document {key.env}"
     assert "| key (YAML) |" in env_help()
+
+
+def test_every_variable_the_core_reads_is_a_known_key():
+    """A VLLM_MEGAMOE_* variable the package reads but the plugin does not know would be rejected
+    as unknown at vLLM start-up: every one read anywhere must be a key (or the config file)."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2] / "vllm_megamoe"
+    read = set()
+    for path in root.rglob("*.py"):
+        read |= set(re.findall(r"VLLM_MEGAMOE_[A-Z0-9_]+", path.read_text()))
+    known = {k.env for k in KEYS.values()} | {CONFIG_ENV}
+    assert read <= known, f"unknown to plugin/settings.py: {sorted(read - known)}"
