@@ -3,6 +3,7 @@
 #   STEP=tests   the fused kernel's full test file (its mainloop code was refactored since it ran)
 #   STEP=graph   the CUDA-graph BF16 failure and the timeout probe, with full output
 #   STEP=smem    the cp.async shared-memory mainloop: kernel tests + timing next to the ldg one
+#   STEP=first    graph, then the full tests, then memcheck (one call)
 #   STEP=memcheck compute-sanitizer memcheck without host API noise
 # Usage: STEP=graph bash scripts/device_next_session.sh   (results in $OUT)
 set -uo pipefail
@@ -23,6 +24,15 @@ case "${STEP:-tests}" in
       VLLM_MEGAMOE_SM90_MAINLOOP=$m timeout 120 python3 -m benchmarks.first_kernel_timing --gpus 2 --tokens 8 128 \
         --out "$OUT/timing_$m.json" 2>&1 | tail -8
     done ;;
+  first)   # graph + full tests + memcheck in one call (under 10 minutes)
+    timeout 170 python3 -m pytest $T -v tests/gpu/test_sm90_mega_moe.py -k "cuda_graph or missing_peer" 2>&1 > "$OUT/graph.log"
+    tail -30 "$OUT/graph.log"
+    timeout 300 python3 -m pytest $T --durations=0 tests/gpu/test_sm90_mega_moe.py tests/test_portable_gemm_gpu.py \
+      -k "not cuda_graph and not missing_peer" 2>&1 > "$OUT/tests.log"
+    tail -40 "$OUT/tests.log"
+    timeout 100 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
+      python3 tests/gpu/sanitize_probe.py > "$OUT/memcheck.log" 2>&1
+    tail -15 "$OUT/memcheck.log" ;;
   memcheck)
     timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
       python3 tests/gpu/sanitize_probe.py 2>&1 | tail -30 | tee "$OUT/memcheck.log" ;;
