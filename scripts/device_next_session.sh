@@ -21,7 +21,7 @@ case "${STEP:-tests}" in
     VLLM_MEGAMOE_SM90_MAINLOOP=smem timeout 330 python3 -m pytest -x $T tests/gpu/test_sm90_mega_moe.py \
       -k "one_gpu or (multi_gpu and (qwen3 or v4))" 2>&1 | tee "$OUT/smem_tests.log" | tail -20
     for m in ldg smem; do
-      VLLM_MEGAMOE_SM90_MAINLOOP=$m timeout 120 python3 -m benchmarks.first_kernel_timing --gpus 2 --tokens 8 128 \
+      VLLM_MEGAMOE_SM90_MAINLOOP=$m timeout 120 python3 -m benchmarks.first_kernel_timing --gpus 2 --tokens 8 128 --shapes v4-flash qwen3-30b-a3b \
         --out "$OUT/timing_$m.json" 2>&1 | tail -8
     done ;;
   first)   # graph + full tests + memcheck in one call (under 10 minutes)
@@ -33,6 +33,16 @@ case "${STEP:-tests}" in
     timeout 100 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
       python3 tests/gpu/sanitize_probe.py > "$OUT/memcheck.log" 2>&1
     tail -15 "$OUT/memcheck.log" ;;
+  second)  # the timeout probe, the V4 multi-GPU cases without the 150 s limit, ldg vs smem timing
+    timeout 100 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_sm90_mega_moe.py -k missing_peer 2>&1 > "$OUT/probe.log"
+    tail -5 "$OUT/probe.log"
+    timeout 260 python3 -m pytest -q -rs -p no:cacheprovider --tb=short --durations=0 tests/gpu/test_sm90_mega_moe.py \
+      -k "multi_gpu and v4" 2>&1 > "$OUT/v4_multi.log"
+    tail -30 "$OUT/v4_multi.log"
+    for m in ldg smem; do
+      VLLM_MEGAMOE_SM90_MAINLOOP=$m timeout 100 python3 -m benchmarks.first_kernel_timing --gpus 2 --tokens 8 128 --shapes v4-flash qwen3-30b-a3b \
+        --out "$OUT/timing_$m.json" 2>&1 | tail -8
+    done ;;
   memcheck)
     timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
       python3 tests/gpu/sanitize_probe.py 2>&1 | tail -30 | tee "$OUT/memcheck.log" ;;

@@ -115,6 +115,15 @@ def _align_ranks_after_compile(buffer: SymmBuffer, spec: jit.KernelSpec) -> None
     seen.add(spec)
 
 
+def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
+    """Compile (or load from the disk cache) the kernel variant of `shape` on `buffer` and wait
+    until every rank of the buffer's group has it: a collective, like the first call of
+    mega_moe, which does the same. Call it on every rank before capturing a CUDA graph."""
+    spec = kernel_spec(shape, buffer)
+    jit.get_kernel(spec, buffer.device.index or 0)
+    _align_ranks_after_compile(buffer, spec)
+
+
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     """Kernel-layout weights (gate/up interleaved), cached on the weights object."""
     if weights.layout == "interleaved":
