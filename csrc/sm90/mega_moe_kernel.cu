@@ -37,12 +37,14 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
 
   const u32 blocks = table.block_start[kNumLocalExperts];
   constexpr u32 kL1Tiles = 2 * kInter / kTileRows, kL2Tiles = kHidden / kTileRows;
+  MainloopState l1_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
-    l1_task(table, epilogue, mainloop, p, me, task / kL1Tiles, task % kL1Tiles);
+    l1_task(table, epilogue, mainloop, l1_state, p, me, task, task + num_ctas, blocks * kL1Tiles);
   grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns, p.error_record);
 
+  MainloopState l2_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
-    l2_task(table, epilogue, mainloop, p, me, task / kL2Tiles, task % kL2Tiles);
+    l2_task(table, epilogue, mainloop, l2_state, p, me, task, task + num_ctas, blocks * kL2Tiles);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
 
   reduce_combine(p, me);

@@ -25,16 +25,32 @@ MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 512
 TILE_ROWS = 256
 TILE_TOKENS = 32
-# Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP): "ldg" fetches MMA fragments straight from global
-# memory (verified on H200); "smem" streams tiles through shared memory with cp.async
-# (csrc/sm90/mega/mainloop_smem.cuh: 3 stages of 256 + 32 rows padded to 144 bytes).
-MAINLOOPS = {"ldg": 0, "smem": 3 * (TILE_ROWS + TILE_TOKENS) * 144}
+# Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP): "smem" (default) streams tiles through shared
+# memory with cp.async (csrc/sm90/mega/mainloop_smem.cuh); "ldg" fetches MMA fragments straight
+# from global memory (the first version, 1.3-1.4x slower on H200 at 8-128 tokens per rank).
+MAINLOOPS = ("smem", "ldg")
+DEFAULT_STAGES = 4
+PADDED_ROW = 144          # bytes of a staged 128-byte K chunk row (mainloop_smem.cuh kPaddedRow)
+SMEM_PER_BLOCK = 227 * 1024
 
 
 def mainloop() -> str:
-    name = os.environ.get("VLLM_MEGAMOE_SM90_MAINLOOP", "ldg")
+    name = os.environ.get("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")
     require(name in MAINLOOPS, f"VLLM_MEGAMOE_SM90_MAINLOOP={name!r} must be one of {sorted(MAINLOOPS)}")
     return name
+
+
+def mainloop_stages() -> int:
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_STAGES", str(DEFAULT_STAGES))
+    require(raw.isdigit() and 2 <= int(raw) <= 8, f"VLLM_MEGAMOE_SM90_STAGES={raw!r} must be an integer in [2, 8]")
+    return int(raw)
+
+
+def mainloop_smem_bytes(shape: MoEShape, stages: int) -> int:
+    """sizeof(MainloopSmem): the cp.async stages plus the FP8 scale tables of one task (the
+    kernel static_asserts the same number)."""
+    max_kblocks = max(shape.hidden, shape.intermediate) // 128
+    return stages * (TILE_ROWS + TILE_TOKENS) * PADDED_ROW + (TILE_TOKENS + 8 * 2) * max_kblocks * 4
 
 
 class _Params(ctypes.Structure):
@@ -74,11 +90,18 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer) -> jit.KernelSpec:
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
                    MEGAMOE_SMEM_MAINLOOP=int(mainloop() == "smem"))
+    if mainloop() == "smem":
+        stages = mainloop_stages()
+        smem = mainloop_smem_bytes(shape, stages)
+        require(smem <= SMEM_PER_BLOCK - 48 * 1024,
+                f"VLLM_MEGAMOE_SM90_STAGES={stages} needs {smem} bytes of shared memory for hidden={shape.hidden}; "
+                "use fewer stages")
+        defines.update(MEGAMOE_MAINLOOP_STAGES=stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 
 
 def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:
-    return MAINLOOPS["smem"] if dict(spec.defines).get("MEGAMOE_SMEM_MAINLOOP") == "1" else 0
+    return int(dict(spec.defines).get("MEGAMOE_MAINLOOP_SMEM_BYTES", 0))
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,19 +14,6 @@
 
 namespace megamoe::mega {
 
-struct TaskRows {
-  u32 expert, first_row, num_rows;  // staging rows [first_row, first_row + num_rows) of `expert`
-};
-
-MEGAMOE_DEVICE TaskRows task_rows(const ExpertTable& table, u32 block) {
-  const u32 e = upper_bound_index(table.block_start, kNumLocalExperts, block);
-  const u32 local_block = block - table.block_start[e];
-  const u32 first = table.row_start[e] + local_block * kTileTokens;
-  const u32 count = table.row_start[e + 1] - table.row_start[e];
-  const u32 left = count - local_block * kTileTokens;
-  return {e, first, left < kTileTokens ? left : kTileTokens};
-}
-
 // Rows of this lane's four n8 token tiles; past-the-end tokens read the last valid row.
 MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32 pitch, const TaskRows& t) {
   const u32 g = (threadIdx.x % 32) / 4;
@@ -38,19 +25,18 @@ MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32
 }
 
 // acc = this warp's 32 rows x 32 tokens of the task's GEMM over K (see the file comment).
-// w_scale[mt][0|1]: weight-scale rows (indexed by 128-K block) of fragment rows g | g + 8.
+// `next`: the CTA's next task of this phase or nullptr (the smem mainloop streams into it).
 template <u32 K>
-MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, const u8* cta_rows, const u8* tok_base, u32 tok_pitch,
-                              const float* const (&w_scale)[2][2], const float* tok_scale, u32 tok_scale_pitch,
-                              const TaskRows& t) {
+MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState& st, const TaskOperands& op,
+                              const TaskOperands* next) {
 #if MEGAMOE_SMEM_MAINLOOP
-  cta_gemm<K>(acc, *sm, cta_rows, tok_base, tok_pitch, t.first_row, t.num_rows, w_scale, tok_scale, tok_scale_pitch);
+  cta_gemm<K>(acc, *sm, st, op, next);
 #else
-  (void)sm;
+  (void)sm, (void)st, (void)next;
   constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
-  const u8* a_rows = cta_rows + (threadIdx.x / 32) * 32 * kPitch;
+  const u8* a_rows = op.a + (threadIdx.x / 32) * 32 * kPitch;
   const u8* tok_rows[4];
-  token_row_pointers(tok_rows, tok_base, tok_pitch, t);
+  token_row_pointers(tok_rows, op.tok, op.tok_pitch, op.rows);
   acc.zero();
   if constexpr (!kFP8) {
     warp_mma_k_range(acc, a_rows, kPitch, tok_rows, 0, K * 2);
@@ -59,10 +45,39 @@ MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, const u8* cta_rows
       WarpAcc part;
       part.zero();
       warp_mma_k_range(part, a_rows, kPitch, tok_rows, kb * kScaleBlock, kScaleBlock);
-      promote_block(acc, part, w_scale, tok_scale, tok_scale_pitch, t.first_row, t.num_rows, kb);
+      promote_block(acc, part, op.w_scale, op.tok_scale, op.tok_scale_pitch, op.rows.first_row, op.rows.num_rows, kb);
     }
   }
 #endif
+}
+
+// L1 task (token block, w13 tile wt): 256 interleaved rows = 128 gate + 128 up channels, so the
+// tile's gate rows use scale block wt and its up rows block I/128 + wt (checkpoint row order).
+MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& p, const Regions& me, u32 block,
+                                        u32 wt) {
+  const TaskRows t = task_rows(table, block);
+  const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows;
+  const float* gate_sc = nullptr;
+  const float* up_sc = nullptr;
+  if constexpr (kFP8) {
+    gate_sc = p.w13_scale + (static_cast<u64>(t.expert) * (2 * kInter / kScaleBlock) + wt) * (kHidden / kScaleBlock);
+    up_sc = gate_sc + (kInter / kScaleBlock) * (kHidden / kScaleBlock);
+  }
+  return {t, p.w13 + w_row0 * kHidden * kElemBytes, me.staging_l1(), kRowBytesL1, {gate_sc, up_sc},
+          me.staging_l1_scale(), kBufHidden / kScaleBlock};
+}
+
+// L2 task (token block, w2 tile ht): a warp's 32 rows lie in one 128-row scale block (32 | 128).
+MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& p, const Regions& me, u32 block,
+                                        u32 ht) {
+  const TaskRows t = task_rows(table, block);
+  const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
+  const float* sc = nullptr;
+  if constexpr (kFP8)
+    sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + (threadIdx.x / 32) * 32) / kScaleBlock) *
+                          (kInter / kScaleBlock);
+  return {t, p.w2 + w_row0 * kInter * kElemBytes, me.staging_l2(), kRowBytesL2, {sc, sc},
+          me.staging_l2_scale(), kBufInter / kScaleBlock};
 }
 
 struct EpilogueSmem {
@@ -70,18 +85,21 @@ struct EpilogueSmem {
   alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [32][128] fp8/bf16; L2: [32][256] bf16
 };
 
-MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, const Params& p,
-                            const Regions& me, u32 block, u32 wt) {
-  const TaskRows t = task_rows(table, block);
+// task / next_task: index into (token block, tile) of this phase; next_task >= num_tasks: none.
+MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
+                            const Params& p, const Regions& me, u32 task, u32 next_task, u32 num_tasks) {
+  constexpr u32 kTiles = 2 * kInter / kTileRows;
+  const u32 wt = task % kTiles;
+  const TaskOperands op = l1_operands(table, p, me, task / kTiles, wt);
+  const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows;
-  // Gate rows of this tile come from scale block wt, up rows from block I/128 + wt.
-  const float* gate_sc = p.w13_scale + (static_cast<u64>(t.expert) * (2 * kInter / kScaleBlock) + wt) * (kHidden / kScaleBlock);
-  const float* up_sc = gate_sc + (kInter / kScaleBlock) * (kHidden / kScaleBlock);
-  const float* const wsc[2][2] = {{gate_sc, up_sc}, {gate_sc, up_sc}};
   WarpAcc acc;
-  task_gemm<kHidden>(acc, mainloop, p.w13 + w_row0 * kHidden * kElemBytes, me.staging_l1(), kRowBytesL1, wsc,
-                     me.staging_l1_scale(), kBufHidden / kScaleBlock, t);
+  if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
+    const TaskOperands next = l1_operands(table, p, me, next_task / kTiles, next_task % kTiles);
+    task_gemm<kHidden>(acc, mainloop, st, op, &next);
+  } else {
+    task_gemm<kHidden>(acc, mainloop, st, op, nullptr);
+  }
 
   // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel.
   float act[2][4][2];
@@ -155,18 +173,20 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   __syncthreads();
 }
 
-MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, const Params& p,
-                            const Regions& me, u32 block, u32 ht) {
-  const TaskRows t = task_rows(table, block);
+MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
+                            const Params& p, const Regions& me, u32 task, u32 next_task, u32 num_tasks) {
+  constexpr u32 kTiles = kHidden / kTileRows;
+  const u32 ht = task % kTiles;
+  const TaskOperands op = l2_operands(table, p, me, task / kTiles, ht);
+  const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
-  // A warp's 32 rows lie in one 128-row scale block (32 | 128).
-  const float* sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + warp * 32) / kScaleBlock) *
-                                      (kInter / kScaleBlock);
-  const float* const wsc[2][2] = {{sc, sc}, {sc, sc}};
   WarpAcc acc;
-  task_gemm<kInter>(acc, mainloop, p.w2 + w_row0 * kInter * kElemBytes, me.staging_l2(), kRowBytesL2, wsc,
-                    me.staging_l2_scale(), kBufInter / kScaleBlock, t);
+  if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
+    const TaskOperands next = l2_operands(table, p, me, next_task / kTiles, next_task % kTiles);
+    task_gemm<kInter>(acc, mainloop, st, op, &next);
+  } else {
+    task_gemm<kInter>(acc, mainloop, st, op, nullptr);
+  }
   u16* tile = reinterpret_cast<u16*>(smem.tile);  // [32 tokens][256 channels] bf16
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)

@@ -1,22 +1,38 @@
 // CTA-level variant of the expert GEMM mainloop: the CTA's 256 weight rows and 32 token rows are
-// streamed through shared memory in 128-byte K chunks with cp.async (16-byte copies, kStages
-// deep), so every thread keeps ~8 x 16 B of HBM traffic in flight instead of one 4-byte load per
-// fragment. Fragments are then read from shared memory with the same byte pattern as
-// mma_tile.cuh (rows padded to 144 B: the 8 rows of a fragment hit 8 different bank groups).
-// Selected with MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem).
+// streamed through shared memory in 128-byte K chunks with cp.async (16-byte copies,
+// kMainloopStages deep, so kMainloopStages - 1 chunks = ~100 KB per SM are in flight while the
+// tensor cores work on one). Fragments are then read from shared memory with the same byte
+// pattern as mma_tile.cuh (rows padded to 144 B: the 8 rows of a fragment hit 8 different bank
+// groups). The FP8 scales a task needs are copied to shared memory once at its start, so the
+// per-128-K promotion never waits on a global load inside the loop. Token tiles of 8 that hold
+// no row of the task are skipped (decode: 1-8 rows per expert use one n8 tile out of four).
+// Selected with MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem, the default).
 #pragma once
 #include "mma_tile.cuh"
+#include "params.cuh"
+
+#ifndef MEGAMOE_MAINLOOP_STAGES
+#define MEGAMOE_MAINLOOP_STAGES 4
+#endif
 
 namespace megamoe::mega {
 
 constexpr u32 kChunkBytes = 128;      // K bytes per stage (FP8: one 128-value scale block)
 constexpr u32 kPaddedRow = 144;       // 128 + 16 bytes
-constexpr u32 kMainloopStages = 3;
+constexpr u32 kMainloopStages = MEGAMOE_MAINLOOP_STAGES;
+constexpr u32 kMaxKBlocks = (kHidden > kInter ? kHidden : kInter) / kScaleBlock;
 
 struct MainloopSmem {
   alignas(16) u8 a[kMainloopStages][kTileRows * kPaddedRow];
   alignas(16) u8 b[kMainloopStages][kTileTokens * kPaddedRow];
+  float tok_scale[kTileTokens][kMaxKBlocks];  // FP8: the task's token scales per 128-K block
+  float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
 };
+static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
+#ifdef MEGAMOE_MAINLOOP_SMEM_BYTES
+// The host sizes the dynamic shared memory with the same formula (sm90_mega_moe.mainloop_smem_bytes).
+static_assert(sizeof(MainloopSmem) == MEGAMOE_MAINLOOP_SMEM_BYTES, "host and device disagree on the mainloop smem size");
+#endif
 
 MEGAMOE_DEVICE void cp_async_16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))),
@@ -29,23 +45,33 @@ MEGAMOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"
 
 MEGAMOE_DEVICE u32 lds_u32(const u8* p) { return *reinterpret_cast<const u32*>(p); }
 
-// Issues the copies of K chunk `chunk` into `stage`: 256 weight rows (8 x 16 B each) and the 32
-// token rows (clamped to the last valid row, like mma_tile.cuh).
-MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const u8* a_base, u64 a_pitch,
-                               const u8* tok_base, u64 tok_pitch, u32 first_row, u32 num_rows) {
+// Chunks this CTA has issued in the current phase (a chunk's stage is its sequence number modulo
+// the stage count), and whether the previous task's last iterations already issued the first
+// stages of the current one (its K loop streams on into the next task instead of draining).
+struct MainloopState {
+  u32 seq;
+  bool prefetched;
+};
+
+// Issues the copies of K chunk `chunk` of a task into `stage`: 256 weight rows (8 x 16 B each)
+// and the 32 token rows (clamped to the last valid row, like mma_tile.cuh).
+template <u32 K>
+MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
+  constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
   const u32 k0 = chunk * kChunkBytes;
 #pragma unroll
   for (u32 j = 0; j < kTileRows * 8 / kNumThreads; ++j) {
     const u32 i = threadIdx.x + j * kNumThreads, row = i / 8, seg = i % 8;
-    cp_async_16(sm.a[stage] + row * kPaddedRow + seg * 16, a_base + row * a_pitch + k0 + seg * 16);
+    cp_async_16(sm.a[stage] + row * kPaddedRow + seg * 16, op.a + row * kAPitch + k0 + seg * 16);
   }
   const u32 tok = threadIdx.x / 8, seg = threadIdx.x % 8;  // kTileTokens * 8 == kNumThreads
-  const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
-  cp_async_16(sm.b[stage] + tok * kPaddedRow + seg * 16, tok_base + row * tok_pitch + k0 + seg * 16);
+  const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
+  cp_async_16(sm.b[stage] + tok * kPaddedRow + seg * 16, op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
 }
 
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
-MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage) {
+// Only the first `ntiles` n8 token tiles hold rows of the task (uniform over the CTA).
+MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles) {
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const u8* a = sm.a[stage] + (warp * 32 + g) * kPaddedRow + t4 * 4;
   const u8* b = sm.b[stage] + g * kPaddedRow + t4 * 4;
@@ -62,49 +88,100 @@ MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage) 
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
+      if (nt >= ntiles) break;
       const u8* row = b + nt * 8 * kPaddedRow + ks;
       bf[nt][0] = lds_u32(row);
       bf[nt][1] = lds_u32(row + 16);
     }
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < 4; ++nt) {
+      if (nt >= ntiles) break;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma_k32_bytes(part.v[mt][nt], af[mt], bf[nt]);
+      for (int mt = 0; mt < 2; ++mt) mma_k32_bytes(part.v[mt][nt], af[mt], bf[nt]);
+    }
+  }
+}
+
+// The FP8 scales of one task into shared memory: token scales of its 32 rows (past-the-end
+// tokens read the last valid row) and each warp's two weight-scale rows. Visible to every thread
+// after the first barrier of the K loop; the previous task finished reading them before its end.
+template <u32 KBlocks>
+MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
+  const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
+  for (u32 i = threadIdx.x; i < kTileTokens * KBlocks; i += kNumThreads) {
+    const u32 tok = i / KBlocks, kb = i % KBlocks;
+    const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
+    sm.tok_scale[tok][kb] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
+  }
+  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (u32 kb = lane; kb < KBlocks; kb += 32) {
+    sm.w_scale[warp][0][kb] = __ldg(op.w_scale[0] + kb);
+    sm.w_scale[warp][1][kb] = __ldg(op.w_scale[1] + kb);
+  }
+}
+
+// acc += part x weight scale x token scale for 128-K block kb, scales read from shared memory.
+MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const MainloopSmem& sm, u32 kb, u32 ntiles) {
+  const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
+  const float w_lo = sm.w_scale[warp][0][kb], w_hi = sm.w_scale[warp][1][kb];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    if (nt >= ntiles) break;
+    const float t0 = sm.tok_scale[nt * 8 + 2 * t4][kb], t1 = sm.tok_scale[nt * 8 + 2 * t4 + 1][kb];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      acc.v[mt][nt][0] += part.v[mt][nt][0] * w_lo * t0;
+      acc.v[mt][nt][1] += part.v[mt][nt][1] * w_lo * t1;
+      acc.v[mt][nt][2] += part.v[mt][nt][2] * w_hi * t0;
+      acc.v[mt][nt][3] += part.v[mt][nt][3] * w_hi * t1;
+    }
   }
 }
 
 // The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
-// a_base: the CTA's first weight row; rows are a_pitch bytes apart; tokens likewise.
+// `next` (or nullptr): the CTA's next task of the same phase; its first kMainloopStages - 1
+// chunks are issued during this task's last iterations, so the weight stream never drains
+// between tasks (the epilogue runs while they are in flight).
 template <u32 K>
-MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, const u8* a_base, const u8* tok_base, u64 tok_pitch,
-                             u32 first_row, u32 num_rows, const float* const (&w_scale_gate_up)[2][2],
-                             const float* tok_scale, u32 tok_scale_pitch) {
-  constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
+MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, const TaskOperands& cur,
+                             const TaskOperands* next) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
+  if (kChunks < S - 1) next = nullptr;  // too short to stream on: every task fills its own stages
+  const u32 ntiles = (cur.rows.num_rows + 7) / 8;
   acc.zero();
+  if (!st.prefetched) {
 #pragma unroll
-  for (u32 s = 0; s + 1 < kMainloopStages; ++s) {
-    if (s < kChunks) load_chunk(sm, s, s, a_base, kAPitch, tok_base, tok_pitch, first_row, num_rows);
-    cp_async_commit();
+    for (u32 s = 0; s + 1 < S; ++s) {
+      if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur);
+      cp_async_commit();
+    }
   }
+  if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
   for (u32 c = 0; c < kChunks; ++c) {
-    cp_async_wait<kMainloopStages - 2>();
+    cp_async_wait<S - 2>();
     __syncthreads();  // chunk c landed for every thread; chunk c-1's stage is free again
-    const u32 next = c + kMainloopStages - 1;
-    if (next < kChunks)
-      load_chunk(sm, next % kMainloopStages, next, a_base, kAPitch, tok_base, tok_pitch, first_row, num_rows);
+    const u32 ahead = c + S - 1;
+    if (ahead < kChunks)
+      load_chunk<K>(sm, (st.seq + ahead) % S, ahead, cur);
+    else if (next != nullptr)
+      load_chunk<K>(sm, (st.seq + ahead) % S, ahead - kChunks, *next);
     cp_async_commit();
+    const u32 stage = (st.seq + c) % S;
     if constexpr (!kFP8) {
-      mma_chunk(acc, sm, c % kMainloopStages);
+      mma_chunk(acc, sm, stage, ntiles);
     } else {
       WarpAcc part;
       part.zero();
-      mma_chunk(part, sm, c % kMainloopStages);
-      promote_block(acc, part, w_scale_gate_up, tok_scale, tok_scale_pitch, first_row, num_rows, c);
+      mma_chunk(part, sm, stage, ntiles);
+      promote_block_smem(acc, part, sm, c, ntiles);
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the stages before the next task refills them
+  st.seq += kChunks;
+  st.prefetched = next != nullptr;
+  if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
+  __syncthreads();  // every warp is done with this task's stages and scale tables
 }
 
 }  // namespace megamoe::mega

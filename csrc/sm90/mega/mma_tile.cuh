@@ -84,9 +84,9 @@ MEGAMOE_DEVICE void warp_mma_k_range(WarpAcc& part, const u8* a_rows, u64 a_pitc
   }
 }
 
-// acc += part x weight scale (per m16 tile: [0] rows g, [1] rows g + 8) x token scale, for
+// acc += part x weight scale ([0] rows g, [1] rows g + 8 of both m16 tiles) x token scale, for
 // 128-K block kb (FP8 promotion). Tokens past num_rows read the last valid row's scale.
-MEGAMOE_DEVICE void promote_block(WarpAcc& acc, const WarpAcc& part, const float* const (&w_scale)[2][2],
+MEGAMOE_DEVICE void promote_block(WarpAcc& acc, const WarpAcc& part, const float* const (&w_scale)[2],
                                   const float* tok_scale, u32 tok_scale_pitch, u32 first_row, u32 num_rows, u32 kb) {
   const u32 t4 = threadIdx.x % 4;
   float tsc[4][2];
@@ -98,9 +98,9 @@ MEGAMOE_DEVICE void promote_block(WarpAcc& acc, const WarpAcc& part, const float
       const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
       tsc[nt][j] = ld_cg_f32(tok_scale + static_cast<u64>(row) * tok_scale_pitch + kb);
     }
+  const float w_lo = __ldg(w_scale[0] + kb), w_hi = __ldg(w_scale[1] + kb);
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
-    const float w_lo = __ldg(w_scale[mt][0] + kb), w_hi = __ldg(w_scale[mt][1] + kb);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       acc.v[mt][nt][0] += part.v[mt][nt][0] * w_lo * tsc[nt][0];

@@ -62,4 +62,29 @@ MEGAMOE_DEVICE u32 upper_bound_index(const u32* table, u32 n, u32 value) {
   return lo;
 }
 
+// The staging rows one GEMM task covers: rows [first_row, first_row + num_rows) of `expert`.
+struct TaskRows {
+  u32 expert, first_row, num_rows;
+};
+
+MEGAMOE_DEVICE TaskRows task_rows(const ExpertTable& table, u32 block) {
+  const u32 e = upper_bound_index(table.block_start, kNumLocalExperts, block);
+  const u32 local_block = block - table.block_start[e];
+  const u32 first = table.row_start[e] + local_block * kTileTokens;
+  const u32 count = table.row_start[e + 1] - table.row_start[e];
+  const u32 left = count - local_block * kTileTokens;
+  return {e, first, left < kTileTokens ? left : kTileTokens};
+}
+
+// The operands of one GEMM task as a mainloop reads them.
+struct TaskOperands {
+  TaskRows rows;
+  const u8* a;               // the CTA's first weight row (rows K * kElemBytes bytes apart)
+  const u8* tok;             // token rows of the phase (staging_l1 or staging_l2)
+  u32 tok_pitch;             // bytes between token rows
+  const float* w_scale[2];   // FP8: this warp's weight-scale rows (by 128-K block) of fragment rows g | g + 8
+  const float* tok_scale;    // FP8: token-scale rows, tok_scale_pitch floats apart
+  u32 tok_scale_pitch;
+};
+
 }  // namespace megamoe::mega
