@@ -4,6 +4,7 @@
 #   STEP=graph   the CUDA-graph BF16 failure and the timeout probe, with full output
 #   STEP=smem    the cp.async shared-memory mainloop: kernel tests + timing next to the ldg one
 #   STEP=first    graph, then the full tests, then memcheck (one call)
+#   STEP=kernel   every fused-kernel test in one pytest process
 #   STEP=memcheck compute-sanitizer memcheck without host API noise
 # Usage: STEP=graph bash scripts/device_next_session.sh   (results in $OUT)
 set -uo pipefail
@@ -43,6 +44,10 @@ case "${STEP:-tests}" in
       VLLM_MEGAMOE_SM90_MAINLOOP=$m timeout 100 python3 -m benchmarks.first_kernel_timing --gpus 2 --tokens 8 128 --shapes v4-flash qwen3-30b-a3b \
         --out "$OUT/timing_$m.json" 2>&1 | tail -8
     done ;;
+  kernel)   # every test of the fused kernel, one pytest process (under 6 minutes)
+    timeout 330 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 --durations=5 \
+      tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
+    tail -40 "$OUT/kernel_tests.log" ;;
   memcheck)
     timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
       python3 tests/gpu/sanitize_probe.py 2>&1 | tail -30 | tee "$OUT/memcheck.log" ;;
