@@ -408,13 +408,16 @@ def read_records(records_dir: str) -> list[dict]:
 
 
 def commit_id() -> str:
+    """MEGAMOE_COMMIT when set (a copied tree's .git can lag behind its files), else git's HEAD."""
+    if os.environ.get("MEGAMOE_COMMIT"):
+        return os.environ["MEGAMOE_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=here, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         out = ""
-    return out or os.environ.get("MEGAMOE_COMMIT", "")
+    return out
 
 
 def resolve_ceilings(choice: str, env: dict) -> tuple[rf.Ceilings, dict]:

@@ -40,6 +40,11 @@ def render(results_path: str, display_path: str | None = None) -> str:
     lines += ["", "Times are end-to-end microseconds per call (max over ranks of the median); frac = "
               "roofline / time; x chain = chain time / path time.", "",
               report.markdown_table(rows)]
+    kernels = report.kernel_table(rows)
+    if kernels:
+        lines += ["", "Kernel time from the profiler (sum of a call's device activities per call, the slowest rank's), "
+                  "the fused paths side by side; frac = roofline / kernel time; megamoe x sglang = sglang time / megamoe time.", "",
+                  kernels]
     return "\n".join(lines)
 
 

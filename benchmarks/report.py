@@ -227,6 +227,40 @@ def markdown_table(rows: list[dict], paths: Optional[Iterable[str]] = None) -> s
     return "\n".join(lines)
 
 
+def kernel_table(rows: list[dict], paths: Iterable[str] = ("megamoe", "sglang")) -> str:
+    """One line per case: kernel time from the profiler (what published kernel numbers use) of
+    `paths`, each one's fraction of the roofline on that time, and the first path's speed-up
+    over each of the others (their time / its time, > 1: the first path is faster)."""
+    rows = [r for r in sorted_rows(rows) if not r.get("error")]
+    wanted = [p for p in paths if any(r["path"] == p for r in rows)]
+    if not wanted:
+        return ""
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        if r["path"] in wanted:
+            cases.setdefault(case_key(r), {})[r["path"]] = r
+    first = wanted[0]
+    head = ["shape", "format", "routing", "tokens/rank", "roofline us"]
+    for p in wanted:
+        head += [f"{p} kernel us", f"{p} frac"]
+    head += [f"{first} x {p}" for p in wanted[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for key, by_path in cases.items():
+        any_row = next(iter(by_path.values()))
+        roof = (any_row.get("roofline") or {}).get("roofline_us")
+        cells = [any_row["shape"], any_row["format"], any_row.get("routing", ""), str(any_row["tokens_per_rank"]),
+                 _num(roof, ".0f")]
+        for p in wanted:
+            k = (by_path.get(p) or {}).get("kernel_us")
+            cells += [_num(k, ".0f"), _num(roof / k if roof and k else None, ".2f")]
+        mine = (by_path.get(first) or {}).get("kernel_us")
+        for p in wanted[1:]:
+            other = (by_path.get(p) or {}).get("kernel_us")
+            cells.append(_num(other / mine if other and mine else None, ".2f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # -- comparing two result files ----------------------------------------------------------------
 def compare(rows_a: list[dict], rows_b: list[dict]) -> list[dict]:
     """Per case and path present in both: B / A of end-to-end and kernel time (< 1: B faster)."""

@@ -1,13 +1,14 @@
 """CPU tests of the benchmark's arithmetic and reporting (benchmarks/roofline.py, report.py, ...)."""
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from benchmarks import report
 from benchmarks import roofline as rf
-from benchmarks.timing import stats_us, summarize_kernel_events
+from benchmarks.timing import drop_first_call, stats_us, summarize_kernel_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEGACY = os.path.join(ROOT, "benchmarks", "results", "portable_ep2.json")
@@ -139,6 +140,17 @@ def test_summarize_kernel_events_and_stats():
     assert (st["median_us"], st["min_us"], st["n"]) == (2000.0, 1000.0, 3)
 
 
+def test_profiled_first_call_is_dropped():
+    # Three calls of (copy, kernel); the first kernel waited 250 ms for a peer's profiler.
+    events = [(0.0, "copy", 2.0), (5.0, "mega", 250000.0), (250010.0, "copy", 2.0), (250015.0, "mega", 100.0),
+              (250200.0, "copy", 2.0), (250210.0, "mega", 104.0)]
+    kept = drop_first_call(list(reversed(events)), calls=2)
+    assert kept == [("copy", 2.0), ("mega", 100.0), ("copy", 2.0), ("mega", 104.0)]
+    assert summarize_kernel_events(kept, calls=2)["kernel_us"] == pytest.approx(104.0)
+    # Calls that launch different numbers of activities cannot be told apart: all are kept.
+    assert len(drop_first_call(events[:5], calls=2)) == 5
+
+
 # -- records -> rows -> table / compare --------------------------------------------------------
 def _rec(rank, path, e2e, kernel=None, **kw):
     case = dict(kind="case", rank=rank, shape="t", hidden=256, intermediate=128, experts=4, topk=2,
@@ -168,6 +180,21 @@ def test_merge_rank_records_and_derived_figures():
     assert md.count("\n") == 2 and "| 120 |" in md
 
 
+def test_kernel_table_puts_the_fused_paths_side_by_side():
+    rows = [_rec(0, "megamoe", 100.0, 80.0), _rec(1, "megamoe", 110.0, 90.0),
+            _rec(0, "sglang", 150.0, 120.0), _rec(1, "sglang", 140.0, 135.0), _rec(0, "chain", 900.0)]
+    merged, _, _ = report.merge_rank_records(rows)
+    report.add_derived(merged, rf.H200_ANCHORS)
+    table = report.kernel_table(merged)
+    head, _, line = table.splitlines()
+    assert head.startswith("| shape |") and "megamoe x sglang" in head and "chain" not in table
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    roof = next(r for r in merged if r["path"] == "megamoe")["roofline"]["roofline_us"]
+    assert cells[5] == "90" and cells[7] == "135" and cells[9] == "1.50"   # slowest rank; 135 / 90
+    assert cells[6] == f"{roof / 90:.2f}"
+    assert report.kernel_table([r for r in merged if r["path"] == "chain"]) == ""
+
+
 def test_compare_ratios():
     a = [dict(shape="s", format="f", routing="u", tokens_per_rank=8, path="p", e2e_us=100.0, kernel_us=50.0)]
     b = [dict(a[0], e2e_us=80.0, kernel_us=None), dict(a[0], path="other", e2e_us=1.0)]
@@ -190,9 +217,11 @@ def test_docs_table_is_generated_from_the_recorded_json():
     from benchmarks import docs_table
     with open(docs_table.DEFAULT_DOC) as f:
         text = f.read()
-    table = docs_table.render(LEGACY, "benchmarks/results/portable_ep2.json")
+    source = re.search(r"^Source: `([^`]+)`", text, re.M).group(1)
+    assert source.startswith("benchmarks/results/")
+    table = docs_table.render(os.path.join(ROOT, source), source)
     assert docs_table.replace_section(text, table) == text, \
-        "docs/performance.md is stale: python -m benchmarks.docs_table benchmarks/results/portable_ep2.json"
+        f"docs/performance.md is stale: python -m benchmarks.docs_table {source}"
 
 
 def test_plots_from_json(tmp_path):
