@@ -5,6 +5,7 @@
 #   STEP=smem    the cp.async shared-memory mainloop: kernel tests + timing next to the ldg one
 #   STEP=first    graph, then the full tests, then memcheck (one call)
 #   STEP=kernel   every fused-kernel test in one pytest process
+#   STEP=final    kernel tests + kernel_probe phases/variants + the standard benchmark
 #   STEP=memcheck compute-sanitizer memcheck without host API noise
 # Usage: STEP=graph bash scripts/device_next_session.sh   (results in $OUT)
 set -uo pipefail
@@ -48,6 +49,19 @@ case "${STEP:-tests}" in
     timeout 330 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 --durations=5 \
       tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -40 "$OUT/kernel_tests.log" ;;
+  final)    # kernel tests, then the phase probe, then the standard benchmark (about 8 minutes)
+    T0=$(date +%s)
+    timeout 240 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 \
+      tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
+    tail -4 "$OUT/kernel_tests.log"
+    timeout 100 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 \
+      --variants default stages=2 stages=3 mainloop=ldg --out "$OUT/probe_v4.json" 2>&1 | tail -14
+    timeout 70 python3 -m benchmarks.kernel_probe --gpus 2 --shapes deepseek-v3 qwen3-30b-a3b --tokens 1 8 128 1024 \
+      --out "$OUT/probe_shapes.json" 2>&1 | tail -10
+    LEFT=$(( 470 - ($(date +%s) - T0) ))
+    echo "== $LEFT s left for the benchmark"
+    [ "$LEFT" -gt 150 ] && DEADLINE=$((LEFT - 10)) bash scripts/device_bench.sh > /dev/null 2>&1
+    ls "$OUT" ;;
   memcheck)
     timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
       python3 tests/gpu/sanitize_probe.py 2>&1 | tail -30 | tee "$OUT/memcheck.log" ;;

@@ -211,3 +211,36 @@ def test_error_record_phases_match_the_kernel():
     assert msg == ("megamoe: rank 0 timed out in dispatch (NVLink barrier): 1 ranks arrived (signal 1, target 2); "
                    "a peer rank did not launch this call or died.")
     assert error_record.describe([0] * 8) is None
+
+
+def test_phase_clock_marks_match_the_kernel():
+    """Python's mark names are the CUDA enum's, in order, and summarize reads a launch's clock."""
+    from vllm_megamoe.kernels import phase_clock
+
+    src = (jit.csrc_dir() / "sm90" / "mega" / "phase_clock.cuh").read_text()
+    enum = re.search(r"enum PhaseMark : int \{([^}]*)\}", src).group(1)
+    names = re.findall(r"kMark(\w+)", enum)
+    snake = [re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", n).lower() for n in names]
+    assert snake == list(phase_clock.MARKS)
+    assert "kNumPhaseMarks" in enum
+    # Two CTAs 1 us apart; CTA 1 needs 3 us more for L1, which delays everything after it.
+    import torch
+    base = 10**12
+    cta0 = [base + 1000 * i for i in range(len(phase_clock.MARKS))]
+    cta1 = [t + 1000 + (3000 if i >= 5 else 0) for i, t in enumerate(cta0)]
+    s = phase_clock.summarize(torch.tensor([cta0, cta1, [0] * len(cta0)], dtype=torch.int64))  # row 3: unwritten
+    assert s["ctas"] == 2 and s["total_us"] == pytest.approx(13.0)
+    assert s["marks"]["l1_done"] == dict(first_us=5.0, last_us=9.0)
+    assert s["phases_us"]["l1_start->l1_done"] == pytest.approx(4.0)
+    assert s["phases_us"]["l1_done->l2_start"] == pytest.approx(1.0)
+    assert phase_clock.summarize(torch.zeros(2, len(cta0), dtype=torch.int64)) == {}
+
+
+def test_params_mirror_matches_the_kernel_struct():
+    """sm90_mega_moe._Params lists the fields of megamoe::mega::Params in the same order."""
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    src = (jit.csrc_dir() / "sm90" / "mega" / "params.cuh").read_text()
+    body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
+    fields = re.findall(r"^\s*[\w:<>\s\*]+?[\s\*](\w+)(?:\[\d+\])?;", body, re.M)
+    assert fields == [name for name, _ in sm90_mega_moe._Params._fields_]

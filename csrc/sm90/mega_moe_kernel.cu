@@ -6,6 +6,7 @@
 #include "mega/combine.cuh"
 #include "mega/dispatch.cuh"
 #include "mega/expert_gemm.cuh"
+#include "mega/phase_clock.cuh"
 #include "mega/sync.cuh"
 
 using namespace megamoe;
@@ -25,28 +26,38 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
   u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
   const u32 num_ctas = gridDim.x;
 
+  mark_phase(p, kMarkStart);
   stage_tokens(p, me);
   announce_pairs(p, me);
+  mark_phase(p, kMarkStaged);
   grid_sync(grid_counter, num_ctas, p.rank, kPhaseAnnounce, p.timeout_ns, p.error_record);
   publish_counts(p, me);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseDispatchBarrier, p.timeout_ns, p.error_record);
+  mark_phase(p, kMarkDispatched);
 
   build_expert_table(table, p, me);
   pull_rows(table, p, me);
+  mark_phase(p, kMarkPulled);
   grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns, p.error_record);
+  mark_phase(p, kMarkL1Start);
 
   const u32 blocks = table.block_start[kNumLocalExperts];
   constexpr u32 kL1Tiles = 2 * kInter / kTileRows, kL2Tiles = kHidden / kTileRows;
   MainloopState l1_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
     l1_task(table, epilogue, mainloop, l1_state, p, me, task, task + num_ctas, blocks * kL1Tiles);
+  mark_phase(p, kMarkL1Done);
   grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns, p.error_record);
+  mark_phase(p, kMarkL2Start);
 
   MainloopState l2_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
     l2_task(table, epilogue, mainloop, l2_state, p, me, task, task + num_ctas, blocks * kL2Tiles);
+  mark_phase(p, kMarkL2Done);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
+  mark_phase(p, kMarkCombined);
 
   reduce_combine(p, me);
+  mark_phase(p, kMarkEnd);
   reset_counters(me);
 }

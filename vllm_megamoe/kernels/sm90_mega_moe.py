@@ -59,6 +59,7 @@ class _Params(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("topk_weights", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w13_scale", ctypes.c_void_p),
                 ("w2", ctypes.c_void_p), ("w2_scale", ctypes.c_void_p), ("error_record", ctypes.c_void_p),
+                ("phase_clock", ctypes.c_void_p),
                 ("peers", ctypes.c_void_p * MAX_RANKS), ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("has_clamp", ctypes.c_int),
                 ("clamp", ctypes.c_float)]
@@ -104,9 +105,13 @@ def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:
     return int(dict(spec.defines).get("MEGAMOE_MAINLOOP_SMEM_BYTES", 0))
 
 
-@functools.lru_cache(maxsize=None)
 def _grid_size(device_index: int, spec: jit.KernelSpec) -> int:
     """CTAs that are guaranteed co-resident: SMs x resident CTAs per SM, capped by the user."""
+    return _grid_size_for(device_index, spec, os.environ.get("VLLM_MEGAMOE_NUM_SMS"))
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_size_for(device_index: int, spec: jit.KernelSpec, num_sms: Optional[str]) -> int:
     kernel = jit.get_kernel(spec, device_index)
     driver = jit._driver()
     smem = dynamic_smem_bytes(spec)
@@ -119,7 +124,8 @@ def _grid_size(device_index: int, spec: jit.KernelSpec) -> int:
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     if per_sm < 1:
         raise RuntimeError("the SM90 mega kernel cannot fit one CTA on an SM (registers or shared memory)")
-    wanted = int(os.environ.get("VLLM_MEGAMOE_NUM_SMS", sms))
+    require(num_sms is None or num_sms.isdigit(), f"VLLM_MEGAMOE_NUM_SMS={num_sms!r} must be a positive integer")
+    wanted = int(num_sms) if num_sms is not None else sms
     require(1 <= wanted <= sms * per_sm,
             f"VLLM_MEGAMOE_NUM_SMS={wanted} must be in [1, {sms * per_sm}] (co-resident CTAs on this GPU)")
     return wanted
@@ -147,6 +153,11 @@ def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
     _align_ranks_after_compile(buffer, spec)
 
 
+def grid_size(shape: MoEShape, buffer: SymmBuffer) -> int:
+    """CTAs of one launch for this layer on this buffer (compiles the variant if needed)."""
+    return _grid_size(buffer.device.index or 0, kernel_spec(shape, buffer))
+
+
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     """Kernel-layout weights (gate/up interleaved), cached on the weights object."""
     if weights.layout == "interleaved":
@@ -159,8 +170,11 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
              buffer: SymmBuffer, *, activation_clamp: Optional[float] = None,
-             y: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The fused kernel for one layer on this rank (a collective; see ops.mega_moe)."""
+             y: Optional[torch.Tensor] = None, phase_clock: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fused kernel for one layer on this rank (a collective; see ops.mega_moe).
+
+    phase_clock: optional int64 [CTAs, len(phase_clock.MARKS)] tensor (kernels.phase_clock) that
+    receives every CTA's phase timestamps; grid_size(shape, buffer) gives the CTA count."""
     from ..portable import validate_call
     shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
     ok, why = supports(shape, weights.format, buffer.num_ranks)
@@ -188,6 +202,12 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if kw.format == "fp8-block":
         params.w13_scale, params.w2_scale = kw.w13_scale.data_ptr(), kw.w2_scale.data_ptr()
     params.error_record = error_record.record_for(x.device).data_ptr()
+    if phase_clock is not None:
+        from .phase_clock import MARKS
+        grid = _grid_size(dev, spec)
+        check_tensor("phase_clock", phase_clock, dtype=torch.int64, shape=(grid, len(MARKS)), contiguous=True)
+        require(phase_clock.device == x.device, f"phase_clock must be on {x.device}")
+        params.phase_clock = phase_clock.data_ptr()
     for r, ptr in enumerate(buffer.buffer_ptrs):
         params.peers[r] = ptr
     params.timeout_ns = int(buffer.timeout_s * 1e9)

@@ -15,6 +15,7 @@ struct Params {
   const u8* w2;               // [El, H, I]
   const float* w2_scale;      // [El, H/128, I/128]
   int* error_record;          // host-mapped int32[8]: filled before a trap (see sync.cuh)
+  u64* phase_clock;           // optional [grid][kNumPhaseMarks] timestamps (phase_clock.cuh), or null
   u8* peers[8];               // base address of every rank's buffer in this process
   u64 timeout_ns;             // every wait gives up after this long
   int num_tokens;

@@ -1,0 +1,164 @@
+"""Where the fused SM90 kernel spends a launch: per-phase times and mainloop variants.
+
+    python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 \
+        --variants stages=2 stages=3 stages=4 mainloop=ldg --out probe.json
+
+For every shape, tokens per rank and variant (an environment override of the kernel's tuning
+knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem`, `sms=N` ->
+VLLM_MEGAMOE_NUM_SMS; `default` for none) it times graph-replayed calls with CUDA events (median,
+max over ranks), checks the output against the default variant, and runs one call with the phase
+clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
+rank needed from one phase mark to the next.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"), ("L1", "l1_start", "l1_done"),
+          ("L1 sync", "l1_done", "l2_start"), ("L2", "l2_start", "l2_done"), ("combine", "l2_done", "combined"),
+          ("reduce", "combined", "end"))
+KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS"}
+
+
+def variant_env(variant: str) -> dict:
+    """'stages=3' -> {'VLLM_MEGAMOE_SM90_STAGES': '3'}; 'default' -> {}."""
+    if variant == "default":
+        return {}
+    key, sep, value = variant.partition("=")
+    if not sep or key not in KNOBS or not value:
+        raise ValueError(f"variant {variant!r}: expected default or one of {sorted(KNOBS)}=VALUE")
+    return {KNOBS[key]: value}
+
+
+def phase_row(summary: dict) -> dict:
+    """Phase name -> microseconds between the latest CTA's marks (phase_clock.summarize output)."""
+    marks = summary["marks"]
+    return {name: marks[b]["last_us"] - marks[a]["last_us"] for name, a, b in PHASES}
+
+
+def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
+    import torch
+    import torch.distributed as dist
+
+    from vllm_megamoe import SymmBuffer, reference
+    from vllm_megamoe.kernels import phase_clock, sm90_mega_moe
+
+    from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, routing
+    from benchmarks.timing import capture_graph, time_events
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for name in shapes:
+        shape = STANDARD_SHAPES[name]
+        weights = local_weights(shape, world, rank, fmt, dev)
+        buf = SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev)
+        for tokens in tokens_list:
+            gen = torch.Generator(device=dev).manual_seed(rank + 7 * tokens)
+            sets = []
+            for _ in range(3):
+                x = torch.randn(tokens, shape.hidden, device=dev, generator=gen).to(torch.bfloat16)
+                sets.append((x, *routing(shape, tokens, dev, gen)))
+            static = [t.clone() for t in sets[0]]
+            y = torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device=dev)
+
+            def load(i):
+                for d, s in zip(static, sets[i % 3]):
+                    d.copy_(s)
+                torch.cuda.synchronize()
+                if group is not None:
+                    dist.barrier(group)
+
+            baseline = None
+            for variant in variants:
+                env = variant_env(variant)
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    out = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
+                    if baseline is None:
+                        baseline = out
+                    err = reference.relative_error(out, baseline)
+                    graph = capture_graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y))
+                    times = time_events(graph.replay, iters, 2, load)
+                    del graph
+                    load(0)
+                    clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf), dev)
+                    sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock)
+                    torch.cuda.synchronize()
+                    summary = phase_clock.summarize(clock)
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                rows.append(dict(shape=name, format=fmt, tokens_per_rank=tokens, variant=variant, rank=rank,
+                                 graph_us=median_us(times), rel_err_vs_first_variant=err,
+                                 clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
+                                 phases_us=phase_row(summary) if summary else {}))
+        buf.destroy()
+        del weights, buf
+        torch.cuda.empty_cache()
+    return rows
+
+
+def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
+    """One row per case: the slowest rank's time and, per phase, the largest over ranks."""
+    cases: dict[tuple, dict] = {}
+    for rows in rows_per_rank:
+        for r in rows:
+            key = (r["shape"], r["format"], r["tokens_per_rank"], r["variant"])
+            m = cases.setdefault(key, dict(r, phases_us=dict(r["phases_us"]), ranks=0))
+            m["ranks"] += 1
+            m["graph_us"] = max(m["graph_us"], r["graph_us"])
+            m["rel_err_vs_first_variant"] = max(m["rel_err_vs_first_variant"], r["rel_err_vs_first_variant"])
+            m["clock_total_us"] = max(m["clock_total_us"] or 0.0, r["clock_total_us"] or 0.0)
+            for k, v in r["phases_us"].items():
+                m["phases_us"][k] = max(m["phases_us"].get(k, 0.0), v)
+            m.pop("rank", None)
+    return list(cases.values())
+
+
+def table(rows: list[dict]) -> str:
+    head = ["shape", "tok", "variant", "graph us", "clock us"] + [p[0] for p in PHASES] + ["err"]
+    lines = ["  ".join(f"{h:>9}" for h in head)]
+    for r in rows:
+        cells = [r["shape"][:9], str(r["tokens_per_rank"]), r["variant"][:9], f"{r['graph_us']:.0f}",
+                 f"{r['clock_total_us']:.0f}"]
+        cells += [f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES]
+        cells.append(f"{r['rel_err_vs_first_variant']:.1e}")
+        lines.append("  ".join(f"{c:>9}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--shapes", nargs="+", default=["v4-flash"])
+    ap.add_argument("--format", default="fp8-block")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[8, 128, 1024])
+    ap.add_argument("--variants", nargs="+", default=["default"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for v in args.variants:
+        variant_env(v)  # bad variants fail before any process starts
+    from vllm_megamoe.launch import run_ranks
+    results = run_ranks(_rank_main, args.gpus,
+                        (args.shapes, args.format, args.tokens, args.variants, args.iters),
+                        backend="nccl", timeout_s=args.timeout)
+    rows = merge(results)
+    print(table(rows), flush=True)
+    if args.out:
+        import torch
+        with open(args.out, "w") as f:
+            json.dump(dict(env=dict(gpu=torch.cuda.get_device_name(0), gpus=args.gpus, torch=torch.__version__,
+                                    commit=os.environ.get("MEGAMOE_COMMIT", "")), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
