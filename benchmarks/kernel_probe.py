@@ -5,7 +5,7 @@
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem`, `sms=N` ->
-VLLM_MEGAMOE_NUM_SMS; `default` for none) it times graph-replayed calls with CUDA events (median,
+VLLM_MEGAMOE_NUM_SMS; several joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
 rank needed from one phase mark to the next.
@@ -23,13 +23,18 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
 
 
 def variant_env(variant: str) -> dict:
-    """'stages=3' -> {'VLLM_MEGAMOE_SM90_STAGES': '3'}; 'default' -> {}."""
+    """'stages=3' -> {'VLLM_MEGAMOE_SM90_STAGES': '3'}; 'mainloop=wgmma,stages=5' sets both;
+    'default' -> {}."""
     if variant == "default":
         return {}
-    key, sep, value = variant.partition("=")
-    if not sep or key not in KNOBS or not value:
-        raise ValueError(f"variant {variant!r}: expected default or one of {sorted(KNOBS)}=VALUE")
-    return {KNOBS[key]: value}
+    env = {}
+    for part in variant.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or key not in KNOBS or not value:
+            raise ValueError(f"variant {variant!r}: expected default or KNOB=VALUE[,KNOB=VALUE] with KNOB in "
+                             f"{sorted(KNOBS)}")
+        env[KNOBS[key]] = value
+    return env
 
 
 def phase_row(summary: dict) -> dict:
@@ -125,7 +130,7 @@ def table(rows: list[dict]) -> str:
     head = ["shape", "tok", "variant", "graph us", "clock us"] + [p[0] for p in PHASES] + ["err"]
     lines = ["  ".join(f"{h:>9}" for h in head)]
     for r in rows:
-        cells = [r["shape"][:9], str(r["tokens_per_rank"]), r["variant"][:9], f"{r['graph_us']:.0f}",
+        cells = [r["shape"][:9], str(r["tokens_per_rank"]), r["variant"][-9:], f"{r['graph_us']:.0f}",
                  f"{r['clock_total_us']:.0f}"]
         cells += [f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES]
         cells.append(f"{r['rel_err_vs_first_variant']:.1e}")

@@ -9,7 +9,9 @@ def test_variants_map_to_the_kernel_knobs():
     assert kp.variant_env("default") == {}
     assert kp.variant_env("stages=3") == {"VLLM_MEGAMOE_SM90_STAGES": "3"}
     assert kp.variant_env("mainloop=ldg") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "ldg"}
-    for bad in ("stages", "depth=3", "stages="):
+    assert kp.variant_env("mainloop=wgmma,stages=5") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "wgmma",
+                                                        "VLLM_MEGAMOE_SM90_STAGES": "5"}
+    for bad in ("stages", "depth=3", "stages=", "stages=3,"):
         with pytest.raises(ValueError, match="variant"):
             kp.variant_env(bad)
 

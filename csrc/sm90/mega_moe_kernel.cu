@@ -17,8 +17,8 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
   __shared__ ExpertTable table;
   __shared__ EpilogueSmem epilogue;
 #if MEGAMOE_SMEM_MAINLOOP
-  extern __shared__ __align__(128) u8 dynamic_smem[];
-  MainloopSmem* mainloop = reinterpret_cast<MainloopSmem*>(dynamic_smem);
+  extern __shared__ __align__(16) u8 dynamic_smem[];
+  MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
 #else
   MainloopSmem* mainloop = nullptr;
 #endif

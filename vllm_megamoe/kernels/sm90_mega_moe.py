@@ -25,12 +25,13 @@ MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 512
 TILE_ROWS = 256
 TILE_TOKENS = 32
-# Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP): "smem" (default) streams tiles through shared
-# memory with cp.async (csrc/sm90/mega/mainloop_smem.cuh); "ldg" fetches MMA fragments straight
-# from global memory (the first version, 1.3-1.4x slower on H200 at 8-128 tokens per rank).
-MAINLOOPS = ("smem", "ldg")
+# Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP), csrc/sm90/mega/mainloop_smem.cuh:
+#   "smem" (default): cp.async stages through shared memory, warp-level mma.sync;
+#   "wgmma": the same stages stored with the 128-byte swizzle, warpgroup wgmma from shared memory;
+#   "ldg": fragments loaded straight from global memory (the first version, 1.3-1.4x slower than
+#   smem on H200 at 8-128 tokens per rank).
+MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2}
 DEFAULT_STAGES = 4
-PADDED_ROW = 144          # bytes of a staged 128-byte K chunk row (mainloop_smem.cuh kPaddedRow)
 SMEM_PER_BLOCK = 227 * 1024
 
 
@@ -46,11 +47,23 @@ def mainloop_stages() -> int:
     return int(raw)
 
 
-def mainloop_smem_bytes(shape: MoEShape, stages: int) -> int:
-    """sizeof(MainloopSmem): the cp.async stages plus the FP8 scale tables of one task (the
-    kernel static_asserts the same number)."""
+def static_smem_bytes(num_local_experts: int, num_ranks: int) -> int:
+    """An upper bound of the kernel's static shared memory: the expert table (params.cuh
+    ExpertTable), the epilogue tile (expert_gemm.cuh EpilogueSmem) and 1 KB of headroom."""
+    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
+    epilogue = 8 * TILE_TOKENS * 4 + TILE_TOKENS * TILE_ROWS * 2
+    return table + epilogue + 1024
+
+
+def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem") -> int:
+    """sizeof(MainloopSmem) plus alignment slack: the cp.async stages (rows padded to 144 bytes,
+    or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
+    one task. The kernel static_asserts the same number."""
     max_kblocks = max(shape.hidden, shape.intermediate) // 128
-    return stages * (TILE_ROWS + TILE_TOKENS) * PADDED_ROW + (TILE_TOKENS + 8 * 2) * max_kblocks * 4
+    row, align = (128, 1024) if variant == "wgmma" else (144, 16)
+    struct = stages * (TILE_ROWS + TILE_TOKENS) * row + (TILE_TOKENS + 8 * 2) * max_kblocks * 4
+    struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
+    return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 
 
 class _Params(ctypes.Structure):
@@ -90,13 +103,15 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer) -> jit.KernelSpec:
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
-                   MEGAMOE_SMEM_MAINLOOP=int(mainloop() == "smem"))
-    if mainloop() == "smem":
+                   MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[mainloop()])
+    if mainloop() != "ldg":
         stages = mainloop_stages()
-        smem = mainloop_smem_bytes(shape, stages)
-        require(smem <= SMEM_PER_BLOCK - 48 * 1024,
-                f"VLLM_MEGAMOE_SM90_STAGES={stages} needs {smem} bytes of shared memory for hidden={shape.hidden}; "
-                "use fewer stages")
+        smem = mainloop_smem_bytes(shape, stages, mainloop())
+        static = static_smem_bytes(buffer.layout.shape.experts_per_rank(buffer.layout.num_ranks),
+                                   buffer.layout.num_ranks)
+        require(smem + static <= SMEM_PER_BLOCK,
+                f"VLLM_MEGAMOE_SM90_STAGES={stages} needs {smem} + {static} bytes of shared memory for "
+                f"hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages")
         defines.update(MEGAMOE_MAINLOOP_STAGES=stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 

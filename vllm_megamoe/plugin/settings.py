@@ -98,8 +98,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("num_sms", _positive_int, None,
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
-    Key("sm90_mainloop", _choice("ldg", "smem"), None,
-        "GEMM mainloop of the SM90 kernel: smem (default, cp.async stages) or ldg (direct loads).", core_env=True),
+    Key("sm90_mainloop", _choice("ldg", "smem", "wgmma"), None,
+        "GEMM mainloop of the SM90 kernel: smem (default, cp.async stages + mma.sync), wgmma "
+        "(swizzled stages + warpgroup MMA) or ldg (direct loads).", core_env=True),
     Key("sm90_stages", _positive_int, None,
         "cp.async pipeline depth of the SM90 kernel's smem mainloop (default 4, 2-8).", core_env=True),
 )}

@@ -23,8 +23,11 @@ constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx /
 constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
 #ifndef MEGAMOE_SMEM_MAINLOOP
-#define MEGAMOE_SMEM_MAINLOOP 0                        // 1: cp.async shared-memory mainloop (mainloop_smem.cuh)
+#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma (mainloop_smem.cuh)
 #endif
+// Device printf is a function call, and ptxas serialises every wgmma of a kernel that makes
+// one: with the wgmma mainloop, failures are reported through the host-mapped error record only.
+#define MEGAMOE_TRAP_PRINTF (MEGAMOE_SMEM_MAINLOOP != 2)
 
 // Region offsets in bytes from the start of a rank's buffer.
 constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;

@@ -96,8 +96,10 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
     table.block_start[kNumLocalExperts] = blocks;
     if (rows > kStagingRows) {
       me.workspace()[kSlotErrorFlag] |= kErrorStagingOverflow;
+#if MEGAMOE_TRAP_PRINTF
       printf("megamoe: rank %d received %u rows but staging holds %u; build the SymmBuffer without "
              "ring_rows or with more of them.\n", p.rank, rows, kStagingRows);
+#endif
       report_and_trap(p.error_record, kErrorStagingFull, p.rank, kPhasePull, static_cast<int>(rows),
                       static_cast<int>(kStagingRows), 0);
     }

@@ -67,14 +67,15 @@ MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& 
           me.staging_l1_scale(), kBufHidden / kScaleBlock};
 }
 
-// L2 task (token block, w2 tile ht): a warp's 32 rows lie in one 128-row scale block (32 | 128).
+// L2 task (token block, w2 tile ht): a warp's rows lie in one 128-row scale block (both row
+// mappings of acc_row_base keep a warp inside an aligned 128-row block).
 MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& p, const Regions& me, u32 block,
                                         u32 ht) {
   const TaskRows t = task_rows(table, block);
   const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
   const float* sc = nullptr;
   if constexpr (kFP8)
-    sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + (threadIdx.x / 32) * 32) / kScaleBlock) *
+    sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + acc_row_base(threadIdx.x / 32, 0)) / kScaleBlock) *
                           (kInter / kScaleBlock);
   return {t, p.w2 + w_row0 * kInter * kElemBytes, me.staging_l2(), kRowBytesL2, {sc, sc},
           me.staging_l2_scale(), kBufInter / kScaleBlock};
@@ -153,7 +154,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const u32 channel = warp * 16 + mt * 8 + g;
+        const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
         if constexpr (kFP8) {
           smem.tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(act[mt][nt][j] / scale, 0.0f) & 0xff);
         } else {
@@ -194,7 +195,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const u32 channel = warp * 32 + mt * 16 + g + (j >= 2 ? 8 : 0);
+        const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
         const u32 tok = nt * 8 + 2 * t4 + (j & 1);
         tile[tok * kTileRows + channel] = f32_to_bf16(acc.v[mt][nt][j]);
       }

@@ -1,13 +1,16 @@
-// CTA-level variant of the expert GEMM mainloop: the CTA's 256 weight rows and 32 token rows are
+// CTA-level variants of the expert GEMM mainloop: the CTA's 256 weight rows and 32 token rows are
 // streamed through shared memory in 128-byte K chunks with cp.async (16-byte copies,
 // kMainloopStages deep, so kMainloopStages - 1 chunks = ~100 KB per SM are in flight while the
-// tensor cores work on one). Fragments are then read from shared memory with the same byte
-// pattern as mma_tile.cuh (rows padded to 144 B: the 8 rows of a fragment hit 8 different bank
-// groups). The FP8 scales a task needs are copied to shared memory once at its start, so the
-// per-128-K promotion never waits on a global load inside the loop. Token tiles of 8 that hold
-// no row of the task are skipped (decode: 1-8 rows per expert use one n8 tile out of four).
-// Selected with MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem, the default).
+// tensor cores work on one). The FP8 scales a task needs are copied to shared memory once at its
+// start, so the per-128-K promotion never waits on a global load inside the loop.
+//   MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem, the default): warp-level mma.sync,
+//     fragments read from rows padded to 144 B (the 8 rows of a fragment hit 8 bank groups);
+//     token tiles of 8 that hold no row of the task are skipped.
+//   MEGAMOE_SMEM_MAINLOOP=2 (wgmma): rows stored with the 128-byte swizzle wgmma descriptors
+//     read (segment s of row r at s ^ (r % 8)); each warpgroup issues m64n32 wgmmas for its 128
+//     rows straight from shared memory, so no fragment goes through registers.
 #pragma once
+#include "../wgmma.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
 
@@ -17,22 +20,40 @@
 
 namespace megamoe::mega {
 
-constexpr u32 kChunkBytes = 128;      // K bytes per stage (FP8: one 128-value scale block)
-constexpr u32 kPaddedRow = 144;       // 128 + 16 bytes
+constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP == 2;
+constexpr u32 kChunkBytes = 128;                  // K bytes per stage (FP8: one 128-value scale block)
+constexpr u32 kStagedRow = kWgmma ? 128 : 144;    // bytes per staged row: swizzled, or padded by 16
+constexpr u32 kStageAlign = kWgmma ? 1024 : 16;   // a 128-byte swizzle atom is 8 rows = 1024 bytes
 constexpr u32 kMainloopStages = MEGAMOE_MAINLOOP_STAGES;
 constexpr u32 kMaxKBlocks = (kHidden > kInter ? kHidden : kInter) / kScaleBlock;
 
 struct MainloopSmem {
-  alignas(16) u8 a[kMainloopStages][kTileRows * kPaddedRow];
-  alignas(16) u8 b[kMainloopStages][kTileTokens * kPaddedRow];
+  alignas(kStageAlign) u8 a[kMainloopStages][kTileRows * kStagedRow];
+  alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
   float tok_scale[kTileTokens][kMaxKBlocks];  // FP8: the task's token scales per 128-K block
   float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
 };
 static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
+// The dynamic shared memory base is only 16-byte aligned: the kernel rounds it up (kStageAlign
+// slack requested on top of the struct when it exceeds 16).
+constexpr u32 kMainloopSmemSlack = kStageAlign > 16 ? kStageAlign : 0;
 #ifdef MEGAMOE_MAINLOOP_SMEM_BYTES
 // The host sizes the dynamic shared memory with the same formula (sm90_mega_moe.mainloop_smem_bytes).
-static_assert(sizeof(MainloopSmem) == MEGAMOE_MAINLOOP_SMEM_BYTES, "host and device disagree on the mainloop smem size");
+static_assert(sizeof(MainloopSmem) + kMainloopSmemSlack == MEGAMOE_MAINLOOP_SMEM_BYTES,
+              "host and device disagree on the mainloop smem size");
 #endif
+
+// First CTA-tile row of the 16-row slice that accumulators v[mt][*] of warp `warp` hold (rows
+// base + g and base + g + 8): 32 consecutive rows per warp for mma.sync, 16 rows per warp in
+// each 64-row wgmma of its warpgroup for wgmma.
+MEGAMOE_DEVICE u32 acc_row_base(u32 warp, u32 mt) {
+  return kWgmma ? (warp / 4) * 128 + mt * 64 + (warp % 4) * 16 : warp * 32 + mt * 16;
+}
+
+MEGAMOE_DEVICE MainloopSmem* mainloop_smem_at(u8* dynamic_smem) {
+  const u64 addr = reinterpret_cast<u64>(dynamic_smem);
+  return reinterpret_cast<MainloopSmem*>((addr + kStageAlign - 1) / kStageAlign * kStageAlign);
+}
 
 MEGAMOE_DEVICE void cp_async_16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))),
@@ -53,6 +74,11 @@ struct MainloopState {
   bool prefetched;
 };
 
+// Byte offset of 16-byte segment `seg` of staged row `row` within a stage.
+MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
+  return row * kStagedRow + (kWgmma ? (seg ^ (row % 8)) : seg) * 16;
+}
+
 // Issues the copies of K chunk `chunk` of a task into `stage`: 256 weight rows (8 x 16 B each)
 // and the 32 token rows (clamped to the last valid row, like mma_tile.cuh).
 template <u32 K>
@@ -62,34 +88,34 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
 #pragma unroll
   for (u32 j = 0; j < kTileRows * 8 / kNumThreads; ++j) {
     const u32 i = threadIdx.x + j * kNumThreads, row = i / 8, seg = i % 8;
-    cp_async_16(sm.a[stage] + row * kPaddedRow + seg * 16, op.a + row * kAPitch + k0 + seg * 16);
+    cp_async_16(sm.a[stage] + staged_offset(row, seg), op.a + row * kAPitch + k0 + seg * 16);
   }
   const u32 tok = threadIdx.x / 8, seg = threadIdx.x % 8;  // kTileTokens * 8 == kNumThreads
   const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
-  cp_async_16(sm.b[stage] + tok * kPaddedRow + seg * 16, op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
+  cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
 }
 
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
 // Only the first `ntiles` n8 token tiles hold rows of the task (uniform over the CTA).
 MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles) {
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const u8* a = sm.a[stage] + (warp * 32 + g) * kPaddedRow + t4 * 4;
-  const u8* b = sm.b[stage] + g * kPaddedRow + t4 * 4;
+  const u8* a = sm.a[stage] + (warp * 32 + g) * kStagedRow + t4 * 4;
+  const u8* b = sm.b[stage] + g * kStagedRow + t4 * 4;
 #pragma unroll 2  // fully unrolled, the fragments of 4 k-steps stay live and spill (FP8)
   for (u32 ks = 0; ks < kChunkBytes; ks += 32) {
     u32 af[2][4], bf[4][2];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      const u8* row = a + mt * 16 * kPaddedRow + ks;
+      const u8* row = a + mt * 16 * kStagedRow + ks;
       af[mt][0] = lds_u32(row);
-      af[mt][1] = lds_u32(row + 8 * kPaddedRow);
+      af[mt][1] = lds_u32(row + 8 * kStagedRow);
       af[mt][2] = lds_u32(row + 16);
-      af[mt][3] = lds_u32(row + 8 * kPaddedRow + 16);
+      af[mt][3] = lds_u32(row + 8 * kStagedRow + 16);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       if (nt >= ntiles) break;
-      const u8* row = b + nt * 8 * kPaddedRow + ks;
+      const u8* row = b + nt * 8 * kStagedRow + ks;
       bf[nt][0] = lds_u32(row);
       bf[nt][1] = lds_u32(row + 16);
     }
@@ -100,6 +126,40 @@ MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, 
       for (int mt = 0; mt < 2; ++mt) mma_k32_bytes(part.v[mt][nt], af[mt], bf[nt]);
     }
   }
+}
+
+// part (+)= this warpgroup's 128 rows x 32 tokens over one staged K chunk with wgmma: two m64n32
+// instructions (rows wg*128 + mt*64) per k-step, 4 k-steps of 32 bytes, operands read from the
+// swizzled stage through descriptors. The accumulator layout of an m64n32 wgmma is that of
+// WarpAcc::v[mt] (see accum_row / accum_col in wgmma.cuh) with rows acc_row_base(warp, mt) + ...
+template <bool kCond, class A, class B>
+struct Select { using type = A; };
+template <class A, class B>
+struct Select<false, A, B> { using type = B; };
+
+MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, bool accumulate) {
+  using Mma = typename Select<kFP8, WgmmaFp8E4M3<kTileTokens>, WgmmaBf16<kTileTokens>>::type;
+  constexpr u32 kDescStep = 32 / 16;  // 32 bytes of K per k-step, descriptors count 16-byte units
+  const u32 wg = threadIdx.x / 128;
+  const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
+  const u64 desc_a0 = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128) * kStagedRow);
+  const u64 desc_a1 = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128 + 64) * kStagedRow);
+  float(&d0)[16] = *reinterpret_cast<float(*)[16]>(&part.v[0][0][0]);
+  float(&d1)[16] = *reinterpret_cast<float(*)[16]>(&part.v[1][0][0]);
+  fence_accumulators(d0);
+  fence_accumulators(d1);
+  wgmma_fence();
+#pragma unroll
+  for (u32 kk = 0; kk < kChunkBytes / 32; ++kk) {
+    Mma::mma(desc_a0 + kDescStep * kk, desc_b + kDescStep * kk, d0, accumulate || kk > 0);
+    Mma::mma(desc_a1 + kDescStep * kk, desc_b + kDescStep * kk, d1, accumulate || kk > 0);
+  }
+  wgmma_commit_group();
+  fence_accumulators(d0);
+  fence_accumulators(d1);
+  wgmma_wait_group<0>();
+  fence_accumulators(d0);
+  fence_accumulators(d1);
 }
 
 // The FP8 scales of one task into shared memory: token scales of its 32 rows (past-the-end
@@ -161,6 +221,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
   if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
   for (u32 c = 0; c < kChunks; ++c) {
     cp_async_wait<S - 2>();
+    if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
     __syncthreads();  // chunk c landed for every thread; chunk c-1's stage is free again
     const u32 ahead = c + S - 1;
     if (ahead < kChunks)
@@ -170,11 +231,16 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
     cp_async_commit();
     const u32 stage = (st.seq + c) % S;
     if constexpr (!kFP8) {
-      mma_chunk(acc, sm, stage, ntiles);
+      if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
+      else mma_chunk(acc, sm, stage, ntiles);
     } else {
       WarpAcc part;
-      part.zero();
-      mma_chunk(part, sm, stage, ntiles);
+      if constexpr (kWgmma) {
+        wgmma_chunk(part, sm, stage, false);
+      } else {
+        part.zero();
+        mma_chunk(part, sm, stage, ntiles);
+      }
       promote_block_smem(acc, part, sm, c, ntiles);
     }
   }

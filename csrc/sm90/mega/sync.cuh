@@ -86,10 +86,12 @@ MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u
     const Deadline deadline{global_timer_ns(), timeout_ns};
     while (((ld_acquire_gpu(counter) ^ old) & 0x80000000u) == 0) {
       if (deadline.expired()) {
+#if MEGAMOE_TRAP_PRINTF
         printf("megamoe: rank %d CTA %d timed out in %s waiting for the other CTAs of its grid "
                "(counter 0x%08x, arrived at 0x%08x); were all %u CTAs resident? Lower "
                "VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.\n",
                rank, blockIdx.x, phase_name(phase), ld_acquire_gpu(counter), old, num_ctas);
+#endif
         report_and_trap(record, kErrorGridTimeout, rank, phase, static_cast<int>(ld_acquire_gpu(counter)),
                         static_cast<int>(old), static_cast<int>(num_ctas));
       }
@@ -119,10 +121,12 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, int
       int seen;
       while ((seen = ld_acquire_sys(ws_local + signal_slot)) != target) {
         if (deadline.expired()) {
+#if MEGAMOE_TRAP_PRINTF
           printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived (signal %d, target %d); "
                  "a peer rank did not launch this call or died.\n",
                  rank, phase_name(phase), negative ? static_cast<int>(kNumRanks) - seen : seen, kNumRanks,
                  seen, target);
+#endif
           report_and_trap(record, kErrorNvlinkTimeout, rank, phase,
                           negative ? static_cast<int>(kNumRanks) - seen : seen, seen, target);
         }
