@@ -49,18 +49,21 @@ case "${STEP:-tests}" in
     timeout 330 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 --durations=5 \
       tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -40 "$OUT/kernel_tests.log" ;;
-  final)    # kernel tests, then the phase probe, then the standard benchmark (about 8 minutes)
-    T0=$(date +%s)
-    timeout 240 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 \
+  final)    # kernel tests (default, then wgmma), phase probes, the benchmark if time is left (under 9 min)
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-500} - ($(date +%s) - T0) )); }
+    timeout 230 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 \
       tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -4 "$OUT/kernel_tests.log"
-    timeout 100 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 \
-      --variants default stages=2 stages=3 mainloop=ldg --out "$OUT/probe_v4.json" 2>&1 | tail -14
-    timeout 70 python3 -m benchmarks.kernel_probe --gpus 2 --shapes deepseek-v3 qwen3-30b-a3b --tokens 1 8 128 1024 \
-      --out "$OUT/probe_shapes.json" 2>&1 | tail -10
-    LEFT=$(( 470 - ($(date +%s) - T0) ))
-    echo "== $LEFT s left for the benchmark"
-    [ "$LEFT" -gt 150 ] && DEADLINE=$((LEFT - 10)) bash scripts/device_bench.sh > /dev/null 2>&1
+    VLLM_MEGAMOE_SM90_MAINLOOP=wgmma timeout 110 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=100 \
+      tests/gpu/test_sm90_mega_moe.py -k "one_gpu or (multi_gpu and (qwen3 or v4)) or cuda_graph" 2>&1 > "$OUT/wgmma_tests.log"
+    tail -4 "$OUT/wgmma_tests.log"
+    timeout 110 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 8192 --variants \
+      default stages=3 mainloop=wgmma mainloop=wgmma,stages=5 --out "$OUT/probe_v4.json" 2>&1 | tail -18
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 -m benchmarks.kernel_probe --gpus 2 \
+      --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 --variants default mainloop=wgmma \
+      --out "$OUT/probe_shapes.json" 2>&1 | tail -18
+    echo "== $(left) s of the budget left"
+    [ "$(left)" -gt 160 ] && DEADLINE=$(( $(left) - 10 )) bash scripts/device_bench.sh > /dev/null 2>&1
     ls "$OUT" ;;
   memcheck)
     timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
