@@ -49,6 +49,12 @@ case "${STEP:-tests}" in
     timeout 330 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 --durations=5 \
       tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -40 "$OUT/kernel_tests.log" ;;
+  wgmma)    # quick look at the wgmma mainloop: one-GPU tests of two shapes, then its timing next to smem
+    VLLM_MEGAMOE_SM90_MAINLOOP=wgmma timeout 100 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=90 \
+      tests/gpu/test_sm90_mega_moe.py -k "one_gpu and (qwen3 or v4)" 2>&1 > "$OUT/wgmma_tests.log"
+    tail -25 "$OUT/wgmma_tests.log"
+    timeout 90 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 8192 --variants \
+      default mainloop=wgmma mainloop=wgmma,stages=5 --out "$OUT/probe_v4.json" 2>&1 | tail -16 ;;
   final)    # kernel tests (default, then wgmma), phase probes, the benchmark if time is left (under 9 min)
     T0=$(date +%s); left() { echo $(( ${BUDGET:-500} - ($(date +%s) - T0) )); }
     timeout 230 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 \
