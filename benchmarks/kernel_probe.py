@@ -93,6 +93,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock)
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
+                    resolved = f"{sm90_mega_moe.mainloop()}/{sm90_mega_moe.mainloop_stages()}"
                 finally:
                     for k, v in saved.items():
                         if v is None:
@@ -100,6 +101,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                         else:
                             os.environ[k] = v
                 rows.append(dict(shape=name, format=fmt, tokens_per_rank=tokens, variant=variant, rank=rank,
+                                 mainloop=resolved,
                                  graph_us=median_us(times), rel_err_vs_first_variant=err,
                                  clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
                                  phases_us=phase_row(summary) if summary else {}))
@@ -138,8 +140,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(path: str) -> str:
+    """A recorded probe (--out) as a markdown table (what docs/kernel_notes.md shows)."""
+    with open(path) as f:
+        data = json.load(f)
+    env = data["env"]
+    lines = [f"Source: `{os.path.relpath(path)}` ({env['gpus']} x {env['gpu']}, torch {env['torch']}, commit "
+             f"`{env.get('commit') or '?'}`); graph-replayed median us (max over ranks); phases from one "
+             "eager call with the phase clock (the latest CTA, max over ranks; dispatch includes the "
+             "ranks' launch skew); err: vs the first variant.", "",
+             "| shape | tokens/rank | variant | mainloop/stages | graph us | " + " | ".join(p[0] for p in PHASES) + " | err |",
+             "|" + " --- |" * (6 + len(PHASES))]
+    for r in data["rows"]:
+        phases = " | ".join(f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES)
+        lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['variant']} | {r.get('mainloop', '?')} | "
+                     f"{r['graph_us']:.0f} | {phases} | "
+                     f"{r['rel_err_vs_first_variant']:.1e} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report", metavar="JSON", help="print a recorded probe as a markdown table and exit")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=["v4-flash"])
     ap.add_argument("--format", default="fp8-block")
@@ -149,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.report:
+        print(markdown(args.report))
+        return 0
     for v in args.variants:
         variant_env(v)  # bad variants fail before any process starts
     from vllm_megamoe.launch import run_ranks

@@ -55,22 +55,20 @@ case "${STEP:-tests}" in
     tail -25 "$OUT/wgmma_tests.log"
     timeout 90 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 8192 --variants \
       default mainloop=wgmma mainloop=wgmma,stages=5 --out "$OUT/probe_v4.json" 2>&1 | tail -16 ;;
-  final)    # kernel tests (default, then wgmma), phase probes, the benchmark if time is left (under 9 min)
-    T0=$(date +%s); left() { echo $(( ${BUDGET:-500} - ($(date +%s) - T0) )); }
+  final)    # kernel tests (default, then the smem fallback), phase probes (about 6-7 minutes)
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-380} - ($(date +%s) - T0) )); }
     timeout 230 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=200 \
       tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -4 "$OUT/kernel_tests.log"
-    VLLM_MEGAMOE_SM90_MAINLOOP=wgmma timeout 110 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=100 \
-      tests/gpu/test_sm90_mega_moe.py -k "one_gpu or (multi_gpu and (qwen3 or v4)) or cuda_graph" 2>&1 > "$OUT/wgmma_tests.log"
-    tail -4 "$OUT/wgmma_tests.log"
-    timeout 110 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 8192 --variants \
-      default stages=3 mainloop=wgmma mainloop=wgmma,stages=5 --out "$OUT/probe_v4.json" 2>&1 | tail -18
-    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 -m benchmarks.kernel_probe --gpus 2 \
-      --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 --variants default mainloop=wgmma \
-      --out "$OUT/probe_shapes.json" 2>&1 | tail -18
-    echo "== $(left) s of the budget left"
-    [ "$(left)" -gt 160 ] && DEADLINE=$(( $(left) - 10 )) bash scripts/device_bench.sh > /dev/null 2>&1
-    ls "$OUT" ;;
+    VLLM_MEGAMOE_SM90_MAINLOOP=smem timeout 90 python3 -m pytest -q -rs -p no:cacheprovider --tb=short -o timeout=80 \
+      tests/gpu/test_sm90_mega_moe.py -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" \
+      2>&1 > "$OUT/smem_tests.log"
+    tail -4 "$OUT/smem_tests.log"
+    timeout 90 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 1024 8192 --variants \
+      default mainloop=smem --out "$OUT/probe_v4.json" 2>&1 | tail -12
+    [ "$(left)" -gt 40 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
+      --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --out "$OUT/probe_shapes.json" 2>&1 | tail -12
+    echo "== $(left) s of the budget left"; ls "$OUT" ;;
   memcheck)
     timeout 200 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
       python3 tests/gpu/sanitize_probe.py 2>&1 | tail -30 | tee "$OUT/memcheck.log" ;;

@@ -19,6 +19,7 @@ Regions, in order (each 128-byte aligned):
   staging_l1_scale    f32 [S, H/128]    (fp8-block only)
   staging_l2          fp8/bf16 [S, I]   SwiGLU outputs (L2 input)
   staging_l2_scale    f32 [S, I/128]    (fp8-block only)
+  l1_block_done       int32 [S/32 + El] SM90 kernel: L1 tiles finished per 32-row token block
   combine             bf16 [C, T, H]    expert outputs written by peers, C = K (+1 shared slot)
   combine_trash       bf16 [1, H]       directly after combine: target of masked writes
 with E experts, R ranks, El = E/R local experts, T = max tokens per rank, H hidden,
@@ -42,6 +43,7 @@ from .shape import MoEShape, check_format, require
 ALIGN_BYTES = 128
 TOKEN_ALIGN = 8  # max tokens per rank is rounded up to this
 SCALE_GROUP = 128
+KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks (l1_block_done)
 
 # Slots of the int32 workspace region; the names are shared with csrc/ through c_header().
 WORKSPACE_SLOTS = (
@@ -120,6 +122,8 @@ class BufferLayout:
             ("staging_l2", act, (rows, s.intermediate)),
             ("staging_l2_scale", torch.float32,
              (rows, s.intermediate // SCALE_GROUP) if scaled else (0,)),
+            # Each expert's rows start a new token block: at most S/32 + El blocks per call.
+            ("l1_block_done", torch.int32, (rows // KERNEL_TOKEN_BLOCK + el + 1,)),
             ("combine", torch.bfloat16, (self.combine_slots, t, s.hidden)),
             # One row directly after combine: padded (graph-capturable) writers aim the rows of
             # masked pairs here, so every write has a harmless target.

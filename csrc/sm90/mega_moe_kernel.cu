@@ -1,8 +1,9 @@
 // The fused SM90 mega MoE kernel: one persistent launch per MoE layer and rank.
-//   stage + announce -> [NVLink barrier] -> pull -> L1 + SwiGLU -> L2 + combine writes
-//   -> [NVLink barrier] -> top-k reduce -> counters reset
-// Phases are separated by grid-wide barriers; every CTA of the grid must be resident (the host
-// checks occupancy) and every wait times out with a message naming the rank and the phase.
+//   stage + announce -> [NVLink barrier] -> pull -> L1 + SwiGLU -> (per token block) L2 + combine
+//   writes -> [NVLink barrier] -> top-k reduce -> counters reset
+// Phases up to L1 are separated by grid-wide barriers, L1 -> L2 by per-token-block counters;
+// every CTA of the grid must be resident (the host checks occupancy) and every wait times out
+// with a report naming the rank and the phase.
 #include "mega/combine.cuh"
 #include "mega/dispatch.cuh"
 #include "mega/expert_gemm.cuh"
@@ -42,20 +43,21 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
   mark_phase(p, kMarkL1Start);
 
   const u32 blocks = table.block_start[kNumLocalExperts];
-  constexpr u32 kL1Tiles = 2 * kInter / kTileRows, kL2Tiles = kHidden / kTileRows;
   MainloopState l1_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
     l1_task(table, epilogue, mainloop, l1_state, p, me, task, task + num_ctas, blocks * kL1Tiles);
   mark_phase(p, kMarkL1Done);
-  grid_sync(grid_counter, num_ctas, p.rank, kPhaseL1, p.timeout_ns, p.error_record);
+  // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
   mark_phase(p, kMarkL2Start);
 
+  __shared__ u32 l2_ready_flag;
   MainloopState l2_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
-    l2_task(table, epilogue, mainloop, l2_state, p, me, task, task + num_ctas, blocks * kL2Tiles);
+    l2_task(table, epilogue, mainloop, l2_state, p, me, task, task + num_ctas, blocks * kL2Tiles, &l2_ready_flag);
   mark_phase(p, kMarkL2Done);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkCombined);
+  reset_l1_blocks(me, blocks);
 
   reduce_combine(p, me);
   mark_phase(p, kMarkEnd);

@@ -20,9 +20,9 @@ from ..errors import BarrierTimeoutError, MegaMoEError
 logger = logging.getLogger(__name__)
 
 # Same order as enum Phase in csrc/sm90/mega/sync.cuh (tests/test_kernel_compile.py checks it).
-PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull (grid sync)", "L1 (grid sync)",
+PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull (grid sync)", "L1 -> L2 (token block ready)",
           "L2 / combine (NVLink barrier)", "combine reduce")
-KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL = 1, 2, 3
+KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT = 1, 2, 3, 4
 RECORD_INTS = 8
 
 _records: dict[int, torch.Tensor] = {}
@@ -42,6 +42,10 @@ def describe(values: list[int]) -> Optional[str]:
     if kind == KIND_NVLINK_TIMEOUT:
         return (f"megamoe: rank {rank} timed out in {where}: {a} ranks arrived (signal {b}, target {c}); "
                 "a peer rank did not launch this call or died.")
+    if kind == KIND_BLOCK_TIMEOUT:
+        return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: token block {a} has {b} of its {c} L1 "
+                "tiles after the timeout; were all CTAs resident? Lower VLLM_MEGAMOE_NUM_SMS if other "
+                "kernels occupy SMs.")
     if kind == KIND_STAGING_FULL:
         return (f"megamoe: rank {rank} received {a} rows but staging holds {b}; build the SymmBuffer "
                 "without ring_rows or with more of them.")
@@ -67,7 +71,8 @@ def raise_if_set(device: torch.device) -> None:
     message = report(device)
     if message is not None:
         kind = int(_records[torch.device(device).index or 0][0])
-        raise (BarrierTimeoutError if kind in (KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT) else MegaMoEError)(message)
+        timeouts = (KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_BLOCK_TIMEOUT)
+        raise (BarrierTimeoutError if kind in timeouts else MegaMoEError)(message)
 
 
 def _watch() -> None:

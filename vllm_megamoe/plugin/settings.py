@@ -99,8 +99,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
     Key("sm90_mainloop", _choice("ldg", "smem", "wgmma"), None,
-        "GEMM mainloop of the SM90 kernel: smem (default, cp.async stages + mma.sync), wgmma "
-        "(swizzled stages + warpgroup MMA) or ldg (direct loads).", core_env=True),
+        "GEMM mainloop of the SM90 kernel: wgmma (default, swizzled cp.async stages + warpgroup "
+        "MMA), smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
     Key("sm90_stages", _positive_int, None,
         "cp.async pipeline depth of the SM90 kernel's smem mainloop (default 4, 2-8).", core_env=True),
 )}

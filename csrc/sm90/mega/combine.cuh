@@ -7,32 +7,43 @@
 
 namespace megamoe::mega {
 
+// One thread per (token, 16-byte chunk) over the whole grid, so a handful of decode tokens is
+// spread over every SM; the live slots' loads are all issued before the sums (slot order kept).
 MEGAMOE_DEVICE void reduce_combine(const Params& p, const Regions& me) {
-  const u32 lane = threadIdx.x % 32;
   constexpr u32 kChunks = kHidden / 8;  // 16-byte chunks of 8 bf16 per row
-  for (u32 token = global_warp(); token < static_cast<u32>(p.num_tokens); token += total_warps()) {
-    const int expert = lane < kTopk ? __ldcg(me.topk_idx() + token * kBufTopk + lane) : -1;
-    const u32 live = __ballot_sync(0xffffffffu, expert >= 0);
-    for (u32 c = lane; c < kChunks; c += 32) {
-      float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (u32 mask = live; mask; mask &= mask - 1) {
-        const u32 slot = __ffs(mask) - 1;
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(
-            me.combine() + (static_cast<u64>(slot) * kMaxTokens + token) * kBufHidden) + c);
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
+  constexpr u32 kSlotGroup = kTopk < 8 ? kTopk : 8;
+  const u32 total = static_cast<u32>(p.num_tokens) * kChunks;
+  for (u32 i = blockIdx.x * kNumThreads + threadIdx.x; i < total; i += gridDim.x * kNumThreads) {
+    const u32 token = i / kChunks, c = i % kChunks;
+    float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (u32 k0 = 0; k0 < kTopk; k0 += kSlotGroup) {
+      uint4 v[kSlotGroup];
+      bool live[kSlotGroup];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          sum[2 * i] += bf16_to_f32(w[i] & 0xffff);
-          sum[2 * i + 1] += bf16_to_f32(w[i] >> 16);
+      for (u32 j = 0; j < kSlotGroup; ++j) {
+        const u32 slot = k0 + j;
+        live[j] = slot < kTopk && __ldcg(me.topk_idx() + token * kBufTopk + slot) >= 0;
+        if (live[j])
+          v[j] = __ldcg(reinterpret_cast<const uint4*>(
+                            me.combine() + (static_cast<u64>(slot) * kMaxTokens + token) * kBufHidden) + c);
+      }
+#pragma unroll
+      for (u32 j = 0; j < kSlotGroup; ++j) {
+        if (!live[j]) continue;
+        const u32 w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sum[2 * e] += bf16_to_f32(w[e] & 0xffff);
+          sum[2 * e + 1] += bf16_to_f32(w[e] >> 16);
         }
       }
-      uint4 out;
-      u32* o = reinterpret_cast<u32*>(&out);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        o[i] = static_cast<u32>(f32_to_bf16(sum[2 * i])) | (static_cast<u32>(f32_to_bf16(sum[2 * i + 1])) << 16);
-      reinterpret_cast<uint4*>(p.y + static_cast<u64>(token) * kHidden)[c] = out;
     }
+    uint4 out;
+    u32* o = reinterpret_cast<u32*>(&out);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      o[e] = static_cast<u32>(f32_to_bf16(sum[2 * e])) | (static_cast<u32>(f32_to_bf16(sum[2 * e + 1])) << 16);
+    reinterpret_cast<uint4*>(p.y + static_cast<u64>(token) * kHidden)[c] = out;
   }
 }
 

@@ -44,6 +44,7 @@ constexpr u64 kOffStagingL1 = MEGAMOE_OFF_staging_l1;
 constexpr u64 kOffStagingL1Scale = MEGAMOE_OFF_staging_l1_scale;
 constexpr u64 kOffStagingL2 = MEGAMOE_OFF_staging_l2;
 constexpr u64 kOffStagingL2Scale = MEGAMOE_OFF_staging_l2_scale;
+constexpr u64 kOffL1BlockDone = MEGAMOE_OFF_l1_block_done;
 constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
 
 // Workspace slots (int32 indices into the workspace region).

@@ -6,6 +6,7 @@
 //       straight into the source rank's combine[slot][token] (16-byte stores over NVLink).
 // FP8 partial sums are promoted to FP32 once per 128-K block with weight x token scales.
 #pragma once
+#include "block_ready.cuh"
 #include "conv.cuh"
 #include "dispatch.cuh"
 #include "mainloop_smem.cuh"
@@ -172,17 +173,23 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(smem.tile)[c];
   }
   __syncthreads();
+  publish_l1_tile(me, task / kTiles);
 }
 
+// ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
+// during this one only when its token block is ready already.
 MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
-                            const Params& p, const Regions& me, u32 task, u32 next_task, u32 num_tasks) {
+                            const Params& p, const Regions& me, u32 task, u32 next_task, u32 num_tasks,
+                            u32* ready_flag) {
   constexpr u32 kTiles = kHidden / kTileRows;
   const u32 ht = task % kTiles;
   const TaskOperands op = l2_operands(table, p, me, task / kTiles, ht);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const bool next_ready =
+      wait_l1_block(p, me, task / kTiles, next_task < num_tasks ? next_task / kTiles : ~0u, ready_flag);
   WarpAcc acc;
-  if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
+  if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
     const TaskOperands next = l2_operands(table, p, me, next_task / kTiles, next_task % kTiles);
     task_gemm<kInter>(acc, mainloop, st, op, &next);
   } else {

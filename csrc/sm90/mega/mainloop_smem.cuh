@@ -3,10 +3,10 @@
 // kMainloopStages deep, so kMainloopStages - 1 chunks = ~100 KB per SM are in flight while the
 // tensor cores work on one). The FP8 scales a task needs are copied to shared memory once at its
 // start, so the per-128-K promotion never waits on a global load inside the loop.
-//   MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem, the default): warp-level mma.sync,
+//   MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem): warp-level mma.sync,
 //     fragments read from rows padded to 144 B (the 8 rows of a fragment hit 8 bank groups);
 //     token tiles of 8 that hold no row of the task are skipped.
-//   MEGAMOE_SMEM_MAINLOOP=2 (wgmma): rows stored with the 128-byte swizzle wgmma descriptors
+//   MEGAMOE_SMEM_MAINLOOP=2 (wgmma, the default): rows stored with the 128-byte swizzle wgmma descriptors
 //     read (segment s of row r at s ^ (r % 8)); each warpgroup issues m64n32 wgmmas for its 128
 //     rows straight from shared memory, so no fragment goes through registers.
 #pragma once
