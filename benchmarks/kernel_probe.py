@@ -159,9 +159,43 @@ def markdown(path: str) -> str:
     return "\n".join(lines)
 
 
+def versus(probe_path: str, bench_path: str, routing: str = "uniform") -> str:
+    """The probe's default-variant times next to a benchmark file's SGLang, portable and chain
+    figures and roofline for the same shape and tokens per rank (two runs: read as indicative)."""
+    from benchmarks import report
+    with open(probe_path) as f:
+        probe = json.load(f)
+    rows, doc = report.load_rows(bench_path)
+    bench = {(r["shape"], r["tokens_per_rank"], r["path"]): r for r in rows
+             if r.get("routing") == routing and r.get("format") == "fp8-block" and not r.get("error")}
+    lines = [f"Fused kernel: `{os.path.relpath(probe_path)}` (commit `{probe['env'].get('commit') or '?'}`, "
+             f"graph-replayed); the other paths and the roofline: `{os.path.relpath(bench_path)}` (commit "
+             f"`{doc.get('env', {}).get('commit') or '?'}`, {routing} routing, end-to-end us). Two runs on "
+             "the same kind of machine; SGLang's kernel-only time in brackets.", "",
+             "| shape | tokens/rank | roofline us | megamoe us | frac | sglang us [kernel] | megamoe x sglang | "
+             "portable us | chain us | megamoe x chain |", "|" + " --- |" * 10]
+    for r in probe["rows"]:
+        if r["variant"] != "default":
+            continue
+        key = (r["shape"], r["tokens_per_rank"])
+        sg, po, ch = (bench.get(key + (p,)) or {} for p in ("sglang", "portable", "chain"))
+        roof = (sg or po or ch).get("roofline", {}).get("roofline_us")
+        mine = r["graph_us"]
+
+        def f(v, fmt=".0f"):
+            return format(v, fmt) if v else "n/a"
+        lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {f(roof)} | {f(mine)} | "
+                     f"{f(roof / mine if roof else None, '.2f')} | {f(sg.get('e2e_us'))} [{f(sg.get('kernel_us'))}] | "
+                     f"{f(sg.get('e2e_us') / mine if sg.get('e2e_us') else None, '.2f')} | {f(po.get('e2e_us'))} | "
+                     f"{f(ch.get('e2e_us'))} | {f(ch.get('e2e_us') / mine if ch.get('e2e_us') else None, '.2f')} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report", metavar="JSON", help="print a recorded probe as a markdown table and exit")
+    ap.add_argument("--versus", metavar="BENCH_JSON",
+                    help="with --report: the probe's default variant next to a benchmark file's other paths")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=["v4-flash"])
     ap.add_argument("--format", default="fp8-block")
@@ -172,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.report:
-        print(markdown(args.report))
+        print(versus(args.report, args.versus) if args.versus else markdown(args.report))
         return 0
     for v in args.variants:
         variant_env(v)  # bad variants fail before any process starts

@@ -4,7 +4,7 @@
 # results to $OUT: bench_ep2.json, bench_ep2_latency.png, bench_ep2_roofline.png, bench.log, env.txt.
 # Usage on the device machine, from the repository root:
 #     MEGAMOE_COMMIT=<sha> bash scripts/device_bench.sh          (carry: .whl for the SGLang baseline)
-# Knobs (environment): GPUS, SHAPES, TOKENS, ITERS, SHAPE_TIMEOUT (s per shape), SHAPE_BUDGET.
+# Knobs (environment): GPUS, SHAPES, TOKENS, FORMATS, ITERS, SHAPE_TIMEOUT (s per shape), SHAPE_BUDGET.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -13,6 +13,7 @@ GPUS="${GPUS:-2}"
 SHAPES="${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b}"
 TOKENS="${TOKENS:-1 8 128 1024 8192}"
 ITERS="${ITERS:-10}"
+FORMATS="${FORMATS:-fp8-block}"                 # e.g. "fp8-block bf16" (BF16 has no SGLang baseline)
 SHAPE_TIMEOUT="${SHAPE_TIMEOUT:-130}"          # hard limit per shape (shell timeout)
 SHAPE_BUDGET="${SHAPE_BUDGET:-75}"             # after this the ranks start no new case
 RANKS_TIMEOUT=$((SHAPE_TIMEOUT - 20))           # the launcher kills the ranks before the shell does
@@ -57,7 +58,7 @@ for shape in $SHAPES; do
   stamp "bench $shape"
   # shellcheck disable=SC2086
   timeout -k 10 "$SHAPE_TIMEOUT" python3 -m benchmarks.bench --gpus "$GPUS" --shapes "$shape" \
-    --formats fp8-block --routings uniform skewed --tokens $TOKENS --iters "$ITERS" --warmup 2 \
+    --formats $FORMATS --routings uniform skewed --tokens $TOKENS --iters "$ITERS" --warmup 2 \
     --profile-calls 2 --ceilings "$CEIL" --budget "$SHAPE_BUDGET" --timeout "$RANKS_TIMEOUT" \
     --pg-timeout 120 --records-dir "$WORK/records_$shape" --out "$WORK/$NAME.$shape.json" --no-plots
   echo "exit $?"

@@ -133,7 +133,10 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, int
       }
     }
   }
-  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, timeout_ns, record);
+  // The other CTAs wait here while CTA 0 waits for the peers: give them twice the time, so a
+  // missing peer is reported by CTA 0 as what it is (an NVLink timeout naming the ranks that
+  // arrived), not as a grid timeout of some CTA that merely waited for CTA 0.
+  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, 2 * timeout_ns, record);
 }
 
 }  // namespace megamoe::mega
