@@ -36,3 +36,23 @@ def test_merge_takes_the_slowest_rank():
     m = merged[0]
     assert (m["graph_us"], m["phases_us"]["L1"], m["ranks"], m["clock_total_us"]) == (100.0, 55.0, 2, 95.0)
     assert "rank" not in m and "graph us" in kp.table(merged)
+
+
+def test_performance_doc_probe_table_is_generated_from_the_json():
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "performance.md")) as f:
+        text = f.read()
+    start = text.index("<!-- probe-versus-table (generated; do not edit) -->\n")
+    body = text[start:text.index("<!-- probe-versus-table:end -->")].split("\n", 1)[1].strip()
+    results = os.path.join(root, "benchmarks", "results")
+    cwd = os.getcwd()
+    os.chdir(root)  # the tables name files relative to the repository
+    try:
+        bench = os.path.join("benchmarks", "results", "bench_ep2.json")
+        want = kp.versus(os.path.join("benchmarks", "results", "probe_v4.json"), bench) + "\n" + "\n".join(
+            kp.versus(os.path.join("benchmarks", "results", "probe_shapes.json"), bench).splitlines()[-10:])
+    finally:
+        os.chdir(cwd)
+    assert os.path.isdir(results)
+    assert body == want.strip(), "docs/performance.md is stale: regenerate with benchmarks.kernel_probe --report --versus"
