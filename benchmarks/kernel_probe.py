@@ -4,7 +4,8 @@
         --variants stages=2 stages=3 stages=4 mainloop=ldg --out probe.json
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
-knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem`, `sms=N` ->
+knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma`, `tile=32|64` ->
+VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` ->
 VLLM_MEGAMOE_NUM_SMS; several joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
@@ -19,7 +20,8 @@ import os
 PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"), ("L1", "l1_start", "l1_done"),
           ("L1 sync", "l1_done", "l2_start"), ("L2", "l2_start", "l2_done"), ("combine", "l2_done", "combined"),
           ("reduce", "combined", "end"))
-KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS"}
+KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
+         "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE"}
 
 
 def variant_env(variant: str) -> dict:
@@ -93,7 +95,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock)
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
-                    resolved = f"{sm90_mega_moe.mainloop()}/{sm90_mega_moe.mainloop_stages()}"
+                    resolved = (f"{sm90_mega_moe.mainloop()}/{sm90_mega_moe.mainloop_stages()}"
+                                f"/{sm90_mega_moe.token_tile()}")
                 finally:
                     for k, v in saved.items():
                         if v is None:
@@ -149,7 +152,7 @@ def markdown(path: str) -> str:
              f"`{env.get('commit') or '?'}`); graph-replayed median us (max over ranks); phases from one "
              "eager call with the phase clock (the latest CTA, max over ranks; dispatch includes the "
              "ranks' launch skew); err: vs the first variant.", "",
-             "| shape | tokens/rank | variant | mainloop/stages | graph us | " + " | ".join(p[0] for p in PHASES) + " | err |",
+             "| shape | tokens/rank | variant | mainloop/stages/tile | graph us | " + " | ".join(p[0] for p in PHASES) + " | err |",
              "|" + " --- |" * (6 + len(PHASES))]
     for r in data["rows"]:
         phases = " | ".join(f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES)

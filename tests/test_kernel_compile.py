@@ -169,14 +169,16 @@ FUSED_CASES = [("v4-flash", 4096, 2048, 256, 6), ("deepseek-v3", 7168, 2048, 256
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma"])
+@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma", "wgmma-64"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 @pytest.mark.parametrize("name,hidden,inter,experts,topk", FUSED_CASES)
 def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, hidden, inter, experts, topk, fmt,
                                               mainloop):
     """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
-    with either mainloop; the shared memory it declares fits next to the dynamic mainloop stages."""
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop)
+    with every mainloop (and 64-token tiles for wgmma); the shared memory it declares fits next to
+    the dynamic mainloop stages."""
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop.split("-")[0])
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64" if mainloop.endswith("-64") else "32")
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
@@ -247,3 +249,16 @@ def test_params_mirror_matches_the_kernel_struct():
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     fields = re.findall(r"^\s*[\w:<>\s\*]+?[\s\*](\w+)(?:\[\d+\])?;", body, re.M)
     assert fields == [name for name, _ in sm90_mega_moe._Params._fields_]
+
+
+def test_token_tile_64_needs_the_wgmma_mainloop(monkeypatch):
+    from vllm_megamoe.kernels import sm90_mega_moe
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")
+    with pytest.raises(ValueError, match="needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma"):
+        sm90_mega_moe.token_tile()
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
+    assert sm90_mega_moe.token_tile() == 64
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "48")
+    with pytest.raises(ValueError, match="must be 32 or 64"):
+        sm90_mega_moe.token_tile()

@@ -24,7 +24,7 @@ NUM_THREADS = 256
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 512
 TILE_ROWS = 256
-TILE_TOKENS = 32
+TILE_TOKENS = (32, 64)   # rows of a token block; 64 needs the wgmma mainloop
 # Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP), csrc/sm90/mega/mainloop_smem.cuh:
 #   "wgmma" (default): cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
 #     (H200, V4-Flash-like EP2: 1.2x the smem variant at 8 tokens per rank, 2x at 1024-8192);
@@ -47,21 +47,31 @@ def mainloop_stages() -> int:
     return int(raw)
 
 
-def static_smem_bytes(num_local_experts: int, num_ranks: int) -> int:
+def token_tile() -> int:
+    """Rows per token block (VLLM_MEGAMOE_SM90_TOKEN_TILE): 32, or 64 with the wgmma mainloop
+    (each weight tile is streamed once per 64 rows of an expert instead of 32: for prefill)."""
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")
+    require(raw in ("32", "64"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32 or 64")
+    require(raw == "32" or mainloop() == "wgmma",
+            f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma (it is {mainloop()!r})")
+    return int(raw)
+
+
+def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
     ExpertTable), the epilogue tile (expert_gemm.cuh EpilogueSmem) and 1 KB of headroom."""
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
-    epilogue = 8 * TILE_TOKENS * 4 + TILE_TOKENS * TILE_ROWS * 2
+    epilogue = 8 * tile_tokens * 4 + tile_tokens * TILE_ROWS * 2
     return table + epilogue + 1024
 
 
-def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem") -> int:
+def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", tile_tokens: int = 32) -> int:
     """sizeof(MainloopSmem) plus alignment slack: the cp.async stages (rows padded to 144 bytes,
     or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
     one task. The kernel static_asserts the same number."""
     max_kblocks = max(shape.hidden, shape.intermediate) // 128
     row, align = (128, 1024) if variant == "wgmma" else (144, 16)
-    struct = stages * (TILE_ROWS + TILE_TOKENS) * row + (TILE_TOKENS + 8 * 2) * max_kblocks * 4
+    struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
     return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 
@@ -104,11 +114,13 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer) -> jit.KernelSpec:
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
                    MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[mainloop()])
+    tile = token_tile()
+    defines.update(MEGAMOE_TILE_TOKENS=tile)
     if mainloop() != "ldg":
         stages = mainloop_stages()
-        smem = mainloop_smem_bytes(shape, stages, mainloop())
+        smem = mainloop_smem_bytes(shape, stages, mainloop(), tile)
         static = static_smem_bytes(buffer.layout.shape.experts_per_rank(buffer.layout.num_ranks),
-                                   buffer.layout.num_ranks)
+                                   buffer.layout.num_ranks, tile)
         require(smem + static <= SMEM_PER_BLOCK,
                 f"VLLM_MEGAMOE_SM90_STAGES={stages} needs {smem} + {static} bytes of shared memory for "
                 f"hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages")

@@ -60,7 +60,11 @@ constexpr u32 kSlotCallCount = MEGAMOE_SLOT_call_count;
 constexpr u32 kNumWarps = 8;
 constexpr u32 kNumThreads = kNumWarps * 32;
 constexpr u32 kTileRows = 256;                  // weight rows per task
-constexpr u32 kTileTokens = 32;                 // tokens per task
+#ifndef MEGAMOE_TILE_TOKENS
+#define MEGAMOE_TILE_TOKENS 32
+#endif
+constexpr u32 kTileTokens = MEGAMOE_TILE_TOKENS; // tokens per task (a token block)
+constexpr u32 kTokenTiles = kTileTokens / 8;     // n8 tiles per task
 constexpr u32 kScaleBlock = 128;
 constexpr u32 kElemBytes = kFP8 ? 1 : 2;
 constexpr u32 kRowBytesL1 = kBufHidden * kElemBytes;   // staging_l1 / x row pitch in bytes
@@ -69,6 +73,8 @@ constexpr u32 kRowBytesL2 = kBufInter * kElemBytes;    // staging_l2 row pitch i
 static_assert(kHidden % kScaleBlock == 0 && kInter % kScaleBlock == 0, "H and I must be multiples of 128");
 static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for the L2 tile");
 static_assert(kNumRanks <= 8, "this kernel addresses at most 8 ranks");
+static_assert(kTileTokens == 32 || (kTileTokens == 64 && MEGAMOE_SMEM_MAINLOOP == 2),
+              "token tiles are 32 rows, or 64 with the wgmma mainloop");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 

@@ -84,7 +84,7 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
 
 struct EpilogueSmem {
   float amax[kNumWarps][kTileTokens];
-  alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [32][128] fp8/bf16; L2: [32][256] bf16
+  alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [tokens][128] fp8/bf16; L2: [tokens][256] bf16
 };
 
 // task / next_task: index into (token block, tile) of this phase; next_task >= num_tasks: none.
@@ -104,10 +104,10 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   }
 
   // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel.
-  float act[2][4][2];
-  float tok_amax[4][2];
+  float act[2][kTokenTiles][2];
+  float tok_amax[kTokenTiles][2];
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const u32 tok = nt * 8 + 2 * t4 + j;
@@ -128,7 +128,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   if constexpr (kFP8) {
     // Per-token amax over the tile's 128 channels: across g in the warp, then across warps.
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         float m = tok_amax[nt][j];
@@ -140,7 +140,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     __syncthreads();
   }
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const u32 tok = nt * 8 + 2 * t4 + j;
@@ -199,7 +199,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);

@@ -90,14 +90,17 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
     const u32 i = threadIdx.x + j * kNumThreads, row = i / 8, seg = i % 8;
     cp_async_16(sm.a[stage] + staged_offset(row, seg), op.a + row * kAPitch + k0 + seg * 16);
   }
-  const u32 tok = threadIdx.x / 8, seg = threadIdx.x % 8;  // kTileTokens * 8 == kNumThreads
-  const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
-  cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
+#pragma unroll
+  for (u32 j = 0; j < kTileTokens * 8 / kNumThreads; ++j) {
+    const u32 i = threadIdx.x + j * kNumThreads, tok = i / 8, seg = i % 8;
+    const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
+    cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
+  }
 }
 
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
 // Only the first `ntiles` n8 token tiles hold rows of the task (uniform over the CTA).
-MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles) {
+MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles) {  // 32-token tiles
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const u8* a = sm.a[stage] + (warp * 32 + g) * kStagedRow + t4 * 4;
   const u8* b = sm.b[stage] + g * kStagedRow + t4 * 4;
@@ -128,7 +131,7 @@ MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, 
   }
 }
 
-// part (+)= this warpgroup's 128 rows x 32 tokens over one staged K chunk with wgmma: two m64n32
+// part (+)= this warpgroup's 128 rows x kTileTokens tokens over one staged K chunk with wgmma: two m64nN
 // instructions (rows wg*128 + mt*64) per k-step, 4 k-steps of 32 bytes, operands read from the
 // swizzled stage through descriptors. The accumulator layout of an m64n32 wgmma is that of
 // WarpAcc::v[mt] (see accum_row / accum_col in wgmma.cuh) with rows acc_row_base(warp, mt) + ...
@@ -144,8 +147,9 @@ MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
   const u64 desc_a0 = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128) * kStagedRow);
   const u64 desc_a1 = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128 + 64) * kStagedRow);
-  float(&d0)[16] = *reinterpret_cast<float(*)[16]>(&part.v[0][0][0]);
-  float(&d1)[16] = *reinterpret_cast<float(*)[16]>(&part.v[1][0][0]);
+  constexpr u32 kAccum = kTileTokens / 2;  // m64nN: N/2 accumulators per thread
+  float(&d0)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&part.v[0][0][0]);
+  float(&d1)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&part.v[1][0][0]);
   fence_accumulators(d0);
   fence_accumulators(d1);
   wgmma_fence();
@@ -185,7 +189,7 @@ MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const 
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
   const float w_lo = sm.w_scale[warp][0][kb], w_hi = sm.w_scale[warp][1][kb];
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt) {
     if (nt >= ntiles) break;
     const float t0 = sm.tok_scale[nt * 8 + 2 * t4][kb], t1 = sm.tok_scale[nt * 8 + 2 * t4 + 1][kb];
 #pragma unroll

@@ -44,17 +44,18 @@ MEGAMOE_DEVICE void mma_k32_bytes(float (&c)[4], const u32 (&a)[4], const u32 (&
 // Accumulators of one warp: [m16 tile][n8 tile][fragment]. Fragment j of (mt, nt) holds
 // row mt*16 + g + (j >= 2 ? 8 : 0) and token nt*8 + 2*t4 + (j & 1), g = lane / 4, t4 = lane % 4.
 struct WarpAcc {
-  float v[2][4][4];
+  float v[2][kTokenTiles][4];
   MEGAMOE_DEVICE void zero() {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < static_cast<int>(kTokenTiles); ++j)
 #pragma unroll
         for (int k = 0; k < 4; ++k) v[i][j][k] = 0.0f;
   }
 };
 
+// (The ldg mainloop below handles 32-token tiles only; config.cuh enforces it.)
 // part += A[32 rows, k_bytes) x B[32 tokens, k_bytes) for k_bytes = [k0, k0 + len) (len % 32 == 0).
 // a_rows: this warp's first weight row; token_rows[nt]: row of token nt*8 + g (already clamped
 // to a valid row for tokens past the block's end).
