@@ -124,3 +124,35 @@ def test_missing_peer_times_out_with_a_message():
     assert "megamoe: rank 0 timed out in dispatch (NVLink barrier)" in out, out[-3000:]
     assert "RANK0_FAILED" in out, out[-3000:]
     assert elapsed < 200
+
+
+@requires_sm90
+def test_phase_clock_orders_the_phases_on_one_gpu():
+    """Every CTA stamps every mark, in order, and no CTA passes a grid barrier before every CTA
+    reached it; the output is unchanged by the clock."""
+    from mega_cases import EMULATED_BOUND, global_weights, inputs
+    from vllm_megamoe import SymmBuffer, reference
+    from vllm_megamoe.kernels import phase_clock, sm90_mega_moe
+    shape = SHAPES["qwen3-30b-a3b"]
+    dev = torch.device("cuda", 0)
+    weights = global_weights(shape, "fp8-block", dev)
+    buf = SymmBuffer(shape, 256, None, format="fp8-block", device=dev)
+    x, idx, tw = inputs(shape, [200], "skewed", 11, dev)[0]
+    clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf), dev)
+    y = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, phase_clock=clock)
+    torch.cuda.synchronize()
+    w13f, w2f = weights.dequantize()
+    assert reference.relative_error(y, reference.moe_forward(x, idx, tw, w13f, w2f, emulate="fp8")) <= \
+        EMULATED_BOUND["fp8-block"]
+    ns = clock.cpu()
+    marks = list(phase_clock.MARKS)
+    assert bool((ns > 0).all()), "a CTA left a mark unwritten"
+    assert bool((ns[:, 1:] >= ns[:, :-1]).all()), "marks out of order within a CTA"
+    # Grid barriers: staged -> dispatched, pulled -> l1_start, l2_done -> combined.
+    for before, after in (("staged", "dispatched"), ("pulled", "l1_start"), ("l2_done", "combined")):
+        assert int(ns[:, marks.index(after)].min()) >= int(ns[:, marks.index(before)].max()), (before, after)
+    summary = phase_clock.summarize(clock)
+    assert summary["ctas"] == ns.shape[0] and summary["total_us"] > 0
+    with pytest.raises(ValueError, match="phase_clock"):
+        sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, phase_clock=clock[:1])
+    buf.destroy()
