@@ -96,7 +96,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
                     resolved = (f"{sm90_mega_moe.mainloop()}/{sm90_mega_moe.mainloop_stages()}"
-                                f"/{sm90_mega_moe.token_tile()}")
+                                f"/{sm90_mega_moe.token_tile(shape, tokens, world)}")
                 finally:
                     for k, v in saved.items():
                         if v is None:

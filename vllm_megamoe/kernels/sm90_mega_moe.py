@@ -47,14 +47,35 @@ def mainloop_stages() -> int:
     return int(raw)
 
 
-def token_tile() -> int:
-    """Rows per token block (VLLM_MEGAMOE_SM90_TOKEN_TILE): 32, or 64 with the wgmma mainloop
+AUTO_TILE_ROWS_PER_EXPERT = 48  # "auto": 64-token tiles from this many expected rows per local expert
+
+
+def token_tile_setting() -> str:
+    """VLLM_MEGAMOE_SM90_TOKEN_TILE: "32" (default), "64" or "auto" (64 when the call's expected
+    rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT); 64-token tiles need the wgmma mainloop
     (each weight tile is streamed once per 64 rows of an expert instead of 32: for prefill)."""
     raw = os.environ.get("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")
-    require(raw in ("32", "64"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32 or 64")
-    require(raw == "32" or mainloop() == "wgmma",
+    require(raw in ("32", "64", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64 or auto")
+    require(raw != "64" or mainloop() == "wgmma",
             f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma (it is {mainloop()!r})")
-    return int(raw)
+    return raw
+
+
+def token_tile(shape: Optional[MoEShape] = None, num_tokens: Optional[int] = None, num_ranks: int = 1) -> int:
+    """Rows per token block for a call with `num_tokens` on this rank (peers assumed alike)."""
+    raw = token_tile_setting()
+    if raw != "auto":
+        return int(raw)
+    if mainloop() != "wgmma" or shape is None or num_tokens is None:
+        return 32
+    rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
+    return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
+
+
+def tile_choices() -> tuple[int, ...]:
+    """Every tile size a call may pick under the current settings (all are compiled together)."""
+    raw = token_tile_setting()
+    return (32, 64) if raw == "auto" and mainloop() == "wgmma" else (32 if raw == "auto" else int(raw),)
 
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
@@ -108,13 +129,17 @@ def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
     return True, "supported"
 
 
-def kernel_spec(shape: MoEShape, buffer: SymmBuffer) -> jit.KernelSpec:
+def kernel_spec(shape: MoEShape, buffer: SymmBuffer, tile: Optional[int] = None) -> jit.KernelSpec:
+    """The compiled variant for `shape` on `buffer`; tile: rows per token block (default: the
+    first of tile_choices())."""
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
                    MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[mainloop()])
-    tile = token_tile()
+    tile = tile or tile_choices()[0]
+    require(tile in TILE_TOKENS and (tile == 32 or mainloop() == "wgmma"),
+            f"token tile {tile} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma and must be one of {TILE_TOKENS}")
     defines.update(MEGAMOE_TILE_TOKENS=tile)
     if mainloop() != "ldg":
         stages = mainloop_stages()
@@ -159,8 +184,10 @@ def _grid_size_for(device_index: int, spec: jit.KernelSpec, num_sms: Optional[st
 
 
 def _align_ranks_after_compile(buffer: SymmBuffer, spec: jit.KernelSpec) -> None:
-    """First launch of a kernel variant: wait (on the host) until every rank has it compiled, so
-    compile-time skew between ranks is not spent inside the kernel's barrier timeout."""
+    """First launch of a kernel family: wait (on the host) until every rank has it compiled, so
+    compile-time skew between ranks is not spent inside the kernel's barrier timeout. `spec` names
+    the family (its first tile choice): ranks may pick different tiles per call (their token counts
+    differ), so every choice is compiled before this one collective."""
     seen = buffer.__dict__.setdefault("_sm90_ready", set())
     if spec in seen:
         return
@@ -175,13 +202,14 @@ def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
     """Compile (or load from the disk cache) the kernel variant of `shape` on `buffer` and wait
     until every rank of the buffer's group has it: a collective, like the first call of
     mega_moe, which does the same. Call it on every rank before capturing a CUDA graph."""
-    spec = kernel_spec(shape, buffer)
-    jit.get_kernel(spec, buffer.device.index or 0)
-    _align_ranks_after_compile(buffer, spec)
+    for tile in tile_choices():
+        jit.get_kernel(kernel_spec(shape, buffer, tile), buffer.device.index or 0)
+    _align_ranks_after_compile(buffer, kernel_spec(shape, buffer))
 
 
 def grid_size(shape: MoEShape, buffer: SymmBuffer) -> int:
-    """CTAs of one launch for this layer on this buffer (compiles the variant if needed)."""
+    """CTAs of one launch for this layer on this buffer (compiles the variant if needed; the
+    same for every tile choice: one CTA per SM)."""
     return _grid_size(buffer.device.index or 0, kernel_spec(shape, buffer))
 
 
@@ -218,10 +246,13 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if y is None:
         y = torch.empty(t, shape.hidden, dtype=torch.bfloat16, device=x.device)
     check_tensor("y", y, dtype=torch.bfloat16, shape=(t, shape.hidden), contiguous=True)
-    spec = kernel_spec(shape, buffer)
+    family = kernel_spec(shape, buffer)
+    if family not in buffer.__dict__.get("_sm90_ready", ()):
+        load_kernel(shape, buffer)  # every tile choice compiled, then one collective
+    tile = token_tile(shape, t, buffer.num_ranks)
+    spec = family if tile == tile_choices()[0] else kernel_spec(shape, buffer, tile)
     dev = x.device.index
     kernel = jit.get_kernel(spec, dev)
-    _align_ranks_after_compile(buffer, spec)
     params = _Params()
     params.x, params.topk_idx, params.topk_weights, params.y = (
         x.data_ptr(), idx.data_ptr(), tw.data_ptr(), y.data_ptr())

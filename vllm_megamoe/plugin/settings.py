@@ -101,9 +101,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("sm90_mainloop", _choice("ldg", "smem", "wgmma"), None,
         "GEMM mainloop of the SM90 kernel: wgmma (default, swizzled cp.async stages + warpgroup "
         "MMA), smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
-    Key("sm90_token_tile", _choice("32", "64"), None,
-        "Rows per token block of the SM90 kernel's GEMM tasks: 32 (default) or 64 (wgmma only; "
-        "streams each weight tile half as often in prefill).", core_env=True),
+    Key("sm90_token_tile", _choice("32", "64", "auto"), None,
+        "Rows per token block of the SM90 kernel's GEMM tasks: 32 (default), 64 (wgmma only; "
+        "streams each weight tile half as often in prefill) or auto (64 from 48 expected rows per "
+        "expert).", core_env=True),
     Key("sm90_stages", _positive_int, None,
         "cp.async pipeline depth of the SM90 kernel's smem mainloop (default 4, 2-8).", core_env=True),
 )}
