@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device calls for the fused SM90 kernel on 2 H200s (nvidia-h200-x2), each under 10 minutes:
-#   STEP=verify  every kernel test of the default (wgmma) build, the main ones with 64-token tiles,
-#                then compute-sanitizer memcheck and racecheck on a small case
+#   STEP=verify  every kernel test of the default (wgmma) build, the main ones with 64-token tiles
+#                and with the TMA mainloop, then compute-sanitizer memcheck and racecheck
+#                (about 9-10 minutes: give it the whole call)
 #   STEP=probe   per-phase times of the default build and its variants (benchmarks/kernel_probe.py),
 #                with the smem fallback's main tests first
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
@@ -21,6 +22,9 @@ case "${STEP:-verify}" in
     VLLM_MEGAMOE_SM90_TOKEN_TILE=64 timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py \
       -k "one_gpu or (multi_gpu and (v4 or qwen3)) or back_to_back" 2>&1 > "$OUT/tile64_tests.log"
     tail -4 "$OUT/tile64_tests.log"
+    VLLM_MEGAMOE_SM90_MAINLOOP=tma timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py \
+      -k "one_gpu or (multi_gpu and (v4 or qwen3)) or back_to_back or cuda_graph" 2>&1 > "$OUT/tma_tests.log"
+    tail -4 "$OUT/tma_tests.log"
     for tool in memcheck racecheck; do
       timeout 110 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
         python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
@@ -31,7 +35,7 @@ case "${STEP:-verify}" in
       -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" 2>&1 > "$OUT/smem_tests.log"
     tail -4 "$OUT/smem_tests.log"
     timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 1024 8192 \
-      --variants ${VARIANTS:-default tile=64 mainloop=smem} --out "$OUT/probe_v4.json" 2>&1 | tail -12
+      --variants ${VARIANTS:-default tile=64 mainloop=tma mainloop=tma,tile=64 mainloop=smem} --out "$OUT/probe_v4.json" 2>&1 | tail -12
     timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes qwen3-30b-a3b deepseek-v3 \
       --tokens 1 8 128 1024 8192 --out "$OUT/probe_shapes.json" 2>&1 | tail -12 ;;
   bench)

@@ -14,16 +14,20 @@ using namespace megamoe;
 using namespace megamoe::mega;
 
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-megamoe_sm90_fused(const __grid_constant__ Params p) {
+megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ TensorMap w13_map,
+                   const __grid_constant__ TensorMap w2_map, const __grid_constant__ TensorMap l1_map,
+                   const __grid_constant__ TensorMap l2_map) {
   __shared__ ExpertTable table;
   __shared__ EpilogueSmem epilogue;
 #if MEGAMOE_SMEM_MAINLOOP
   extern __shared__ __align__(16) u8 dynamic_smem[];
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
+  init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the first grid sync)
 #else
   MainloopSmem* mainloop = nullptr;
 #endif
   const Regions me{p.peers[p.rank]};
+  const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
   u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
   const u32 num_ctas = gridDim.x;
 
@@ -45,15 +49,16 @@ megamoe_sm90_fused(const __grid_constant__ Params p) {
   const u32 blocks = table.block_start[kNumLocalExperts];
   MainloopState l1_state{0, false};
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
-    l1_task(table, epilogue, mainloop, l1_state, p, me, task, task + num_ctas, blocks * kL1Tiles);
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, task + num_ctas, blocks * kL1Tiles);
   mark_phase(p, kMarkL1Done);
   // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flag;
-  MainloopState l2_state{0, false};
+  MainloopState l2_state{l1_state.seq, false};  // stage sequence numbers carry on (TMA barrier parity)
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
-    l2_task(table, epilogue, mainloop, l2_state, p, me, task, task + num_ctas, blocks * kL2Tiles, &l2_ready_flag);
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, task + num_ctas, blocks * kL2Tiles,
+            &l2_ready_flag);
   mark_phase(p, kMarkL2Done);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkCombined);

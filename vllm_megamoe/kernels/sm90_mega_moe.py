@@ -28,9 +28,11 @@ TILE_TOKENS = (32, 64)   # rows of a token block; 64 needs the wgmma mainloop
 # Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP), csrc/sm90/mega/mainloop_smem.cuh:
 #   "wgmma" (default): cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
 #     (H200, V4-Flash-like EP2: 1.2x the smem variant at 8 tokens per rank, 2x at 1024-8192);
+#   "tma": the wgmma stages filled by TMA box copies on per-stage mbarriers (one issuing thread);
 #   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
 #   "ldg": fragments loaded straight from global memory (the first version).
-MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2}
+MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3}
+WGMMA_MAINLOOPS = ("wgmma", "tma")  # swizzled stages + wgmma: 64-token tiles possible
 DEFAULT_STAGES = 4
 SMEM_PER_BLOCK = 227 * 1024
 
@@ -56,8 +58,8 @@ def token_tile_setting() -> str:
     (each weight tile is streamed once per 64 rows of an expert instead of 32: for prefill)."""
     raw = os.environ.get("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")
     require(raw in ("32", "64", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64 or auto")
-    require(raw != "64" or mainloop() == "wgmma",
-            f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma (it is {mainloop()!r})")
+    require(raw != "64" or mainloop() in WGMMA_MAINLOOPS,
+            f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma (it is {mainloop()!r})")
     return raw
 
 
@@ -66,7 +68,7 @@ def token_tile(shape: Optional[MoEShape] = None, num_tokens: Optional[int] = Non
     raw = token_tile_setting()
     if raw != "auto":
         return int(raw)
-    if mainloop() != "wgmma" or shape is None or num_tokens is None:
+    if mainloop() not in WGMMA_MAINLOOPS or shape is None or num_tokens is None:
         return 32
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
@@ -75,7 +77,7 @@ def token_tile(shape: Optional[MoEShape] = None, num_tokens: Optional[int] = Non
 def tile_choices() -> tuple[int, ...]:
     """Every tile size a call may pick under the current settings (all are compiled together)."""
     raw = token_tile_setting()
-    return (32, 64) if raw == "auto" and mainloop() == "wgmma" else (32 if raw == "auto" else int(raw),)
+    return (32, 64) if raw == "auto" and mainloop() in WGMMA_MAINLOOPS else (32 if raw == "auto" else int(raw),)
 
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
@@ -91,8 +93,10 @@ def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", til
     or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
     one task. The kernel static_asserts the same number."""
     max_kblocks = max(shape.hidden, shape.intermediate) // 128
-    row, align = (128, 1024) if variant == "wgmma" else (144, 16)
+    row, align = (128, 1024) if variant in WGMMA_MAINLOOPS else (144, 16)
     struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
+    if variant == "tma":
+        struct += 8 * stages  # one mbarrier per stage
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
     return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 
@@ -138,8 +142,8 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, tile: Optional[int] = None)
                    MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
                    MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[mainloop()])
     tile = tile or tile_choices()[0]
-    require(tile in TILE_TOKENS and (tile == 32 or mainloop() == "wgmma"),
-            f"token tile {tile} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma and must be one of {TILE_TOKENS}")
+    require(tile in TILE_TOKENS and (tile == 32 or mainloop() in WGMMA_MAINLOOPS),
+            f"token tile {tile} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma and must be one of {TILE_TOKENS}")
     defines.update(MEGAMOE_TILE_TOKENS=tile)
     if mainloop() != "ldg":
         stages = mainloop_stages()
@@ -272,6 +276,32 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.num_tokens, params.rank = t, buffer.rank
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
+    maps = tma_maps(kw, buffer, tile) if mainloop() == "tma" else [_NO_MAP] * 4
     kernel.launch(_grid_size(dev, spec), NUM_THREADS, dynamic_smem_bytes(spec),
-                  torch.cuda.current_stream(x.device).cuda_stream, [params])
+                  torch.cuda.current_stream(x.device).cuda_stream, [params, *maps])
     return y
+
+
+# The kernel takes four TMA tensor maps after Params; builds without the TMA mainloop get zeros.
+_NO_MAP = (ctypes.c_uint8 * 128)()
+
+
+def tma_maps(weights: ExpertWeights, buffer: SymmBuffer, tile: int) -> list:
+    """TMA tensor maps of the TMA mainloop: w13 [El, 2I, H] and w2 [El, H, I] with 128-byte x
+    256-row boxes (cached on the weights), staging_l1 [S, H] and staging_l2 [S, I] with 128-byte x
+    `tile`-row boxes (cached on the buffer); all with the 128-byte swizzle of the wgmma stages."""
+    from .tma import make_tensor_map
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    per_row = 128 // weights.w13.element_size()
+    wcache = weights.__dict__.setdefault("_sm90_tma", {})
+    if "w" not in wcache:
+        wcache["w"] = (make_tensor_map(raw(weights.w13), (per_row, TILE_ROWS, 1)),
+                       make_tensor_map(raw(weights.w2), (per_row, TILE_ROWS, 1)))
+    bcache = buffer.__dict__.setdefault("_sm90_tma", {})
+    if tile not in bcache:
+        bcache[tile] = (make_tensor_map(raw(buffer.view("staging_l1")), (per_row, tile)),
+                        make_tensor_map(raw(buffer.view("staging_l2")), (per_row, tile)))
+    return [*wcache["w"], *bcache[tile]]

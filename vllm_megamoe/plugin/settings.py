@@ -98,9 +98,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("num_sms", _positive_int, None,
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
-    Key("sm90_mainloop", _choice("ldg", "smem", "wgmma"), None,
+    Key("sm90_mainloop", _choice("ldg", "smem", "wgmma", "tma"), None,
         "GEMM mainloop of the SM90 kernel: wgmma (default, swizzled cp.async stages + warpgroup "
-        "MMA), smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
+        "MMA), tma (the same stages filled by TMA), smem (padded stages + mma.sync) or ldg "
+        "(direct loads).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks: 32 (default), 64 (wgmma only; "
         "streams each weight tile half as often in prefill) or auto (64 from 48 expected rows per "

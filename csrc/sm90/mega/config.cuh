@@ -23,11 +23,11 @@ constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx /
 constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
 #ifndef MEGAMOE_SMEM_MAINLOOP
-#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma (mainloop_smem.cuh)
+#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma
 #endif
 // Device printf is a function call, and ptxas serialises every wgmma of a kernel that makes
 // one: with the wgmma mainloop, failures are reported through the host-mapped error record only.
-#define MEGAMOE_TRAP_PRINTF (MEGAMOE_SMEM_MAINLOOP != 2)
+#define MEGAMOE_TRAP_PRINTF (MEGAMOE_SMEM_MAINLOOP < 2)
 
 // Region offsets in bytes from the start of a rank's buffer.
 constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;
@@ -73,8 +73,8 @@ constexpr u32 kRowBytesL2 = kBufInter * kElemBytes;    // staging_l2 row pitch i
 static_assert(kHidden % kScaleBlock == 0 && kInter % kScaleBlock == 0, "H and I must be multiples of 128");
 static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for the L2 tile");
 static_assert(kNumRanks <= 8, "this kernel addresses at most 8 ranks");
-static_assert(kTileTokens == 32 || (kTileTokens == 64 && MEGAMOE_SMEM_MAINLOOP == 2),
-              "token tiles are 32 rows, or 64 with the wgmma mainloop");
+static_assert(kTileTokens == 32 || (kTileTokens == 64 && MEGAMOE_SMEM_MAINLOOP >= 2),
+              "token tiles are 32 rows, or 64 with the wgmma / tma mainloops");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 

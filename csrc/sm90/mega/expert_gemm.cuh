@@ -54,8 +54,8 @@ MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState& st,
 
 // L1 task (token block, w13 tile wt): 256 interleaved rows = 128 gate + 128 up channels, so the
 // tile's gate rows use scale block wt and its up rows block I/128 + wt (checkpoint row order).
-MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& p, const Regions& me, u32 block,
-                                        u32 wt) {
+MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& p, const Regions& me,
+                                        const TmaMaps& maps, u32 block, u32 wt) {
   const TaskRows t = task_rows(table, block);
   const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows;
   const float* gate_sc = nullptr;
@@ -64,21 +64,23 @@ MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& 
     gate_sc = p.w13_scale + (static_cast<u64>(t.expert) * (2 * kInter / kScaleBlock) + wt) * (kHidden / kScaleBlock);
     up_sc = gate_sc + (kInter / kScaleBlock) * (kHidden / kScaleBlock);
   }
-  return {t, p.w13 + w_row0 * kHidden * kElemBytes, me.staging_l1(), kRowBytesL1, {gate_sc, up_sc},
+  return {t, p.w13 + w_row0 * kHidden * kElemBytes, maps.w13, wt * kTileRows, maps.l1, me.staging_l1(), kRowBytesL1,
+          {gate_sc, up_sc},
           me.staging_l1_scale(), kBufHidden / kScaleBlock};
 }
 
 // L2 task (token block, w2 tile ht): a warp's rows lie in one 128-row scale block (both row
 // mappings of acc_row_base keep a warp inside an aligned 128-row block).
-MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& p, const Regions& me, u32 block,
-                                        u32 ht) {
+MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& p, const Regions& me,
+                                        const TmaMaps& maps, u32 block, u32 ht) {
   const TaskRows t = task_rows(table, block);
   const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
   const float* sc = nullptr;
   if constexpr (kFP8)
     sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + acc_row_base(threadIdx.x / 32, 0)) / kScaleBlock) *
                           (kInter / kScaleBlock);
-  return {t, p.w2 + w_row0 * kInter * kElemBytes, me.staging_l2(), kRowBytesL2, {sc, sc},
+  return {t, p.w2 + w_row0 * kInter * kElemBytes, maps.w2, ht * kTileRows, maps.l2, me.staging_l2(), kRowBytesL2,
+          {sc, sc},
           me.staging_l2_scale(), kBufInter / kScaleBlock};
 }
 
@@ -89,15 +91,16 @@ struct EpilogueSmem {
 
 // task / next_task: index into (token block, tile) of this phase; next_task >= num_tasks: none.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
-                            const Params& p, const Regions& me, u32 task, u32 next_task, u32 num_tasks) {
+                            const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
+                            u32 num_tasks) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   const u32 wt = task % kTiles;
-  const TaskOperands op = l1_operands(table, p, me, task / kTiles, wt);
+  const TaskOperands op = l1_operands(table, p, me, maps, task / kTiles, wt);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
-    const TaskOperands next = l1_operands(table, p, me, next_task / kTiles, next_task % kTiles);
+    const TaskOperands next = l1_operands(table, p, me, maps, next_task / kTiles, next_task % kTiles);
     task_gemm<kHidden>(acc, mainloop, st, op, &next);
   } else {
     task_gemm<kHidden>(acc, mainloop, st, op, nullptr);
@@ -179,18 +182,18 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 // ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
 // during this one only when its token block is ready already.
 MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
-                            const Params& p, const Regions& me, u32 task, u32 next_task, u32 num_tasks,
-                            u32* ready_flag) {
+                            const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
+                            u32 num_tasks, u32* ready_flag) {
   constexpr u32 kTiles = kHidden / kTileRows;
   const u32 ht = task % kTiles;
-  const TaskOperands op = l2_operands(table, p, me, task / kTiles, ht);
+  const TaskOperands op = l2_operands(table, p, me, maps, task / kTiles, ht);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const bool next_ready =
       wait_l1_block(p, me, task / kTiles, next_task < num_tasks ? next_task / kTiles : ~0u, ready_flag);
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
-    const TaskOperands next = l2_operands(table, p, me, next_task / kTiles, next_task % kTiles);
+    const TaskOperands next = l2_operands(table, p, me, maps, next_task / kTiles, next_task % kTiles);
     task_gemm<kInter>(acc, mainloop, st, op, &next);
   } else {
     task_gemm<kInter>(acc, mainloop, st, op, nullptr);

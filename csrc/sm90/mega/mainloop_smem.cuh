@@ -7,9 +7,14 @@
 //     fragments read from rows padded to 144 B (the 8 rows of a fragment hit 8 bank groups);
 //     token tiles of 8 that hold no row of the task are skipped.
 //   MEGAMOE_SMEM_MAINLOOP=2 (wgmma, the default): rows stored with the 128-byte swizzle wgmma descriptors
-//     read (segment s of row r at s ^ (r % 8)); each warpgroup issues m64n32 wgmmas for its 128
+//     read (segment s of row r at s ^ (r % 8)); each warpgroup issues m64nN wgmmas for its 128
 //     rows straight from shared memory, so no fragment goes through registers.
+//   MEGAMOE_SMEM_MAINLOOP=3 (tma): the same stages and wgmmas, filled by one thread with TMA box
+//     copies (tensor maps from the host, 128-byte swizzle) that complete on a per-stage mbarrier;
+//     token rows past the task's end are whatever follows in staging (their columns are never
+//     stored), rows past the staging region are zero-filled.
 #pragma once
+#include "../tma.cuh"
 #include "../wgmma.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
@@ -20,7 +25,8 @@
 
 namespace megamoe::mega {
 
-constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP == 2;
+constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP >= 2;
+constexpr bool kTma = MEGAMOE_SMEM_MAINLOOP == 3;
 constexpr u32 kChunkBytes = 128;                  // K bytes per stage (FP8: one 128-value scale block)
 constexpr u32 kStagedRow = kWgmma ? 128 : 144;    // bytes per staged row: swizzled, or padded by 16
 constexpr u32 kStageAlign = kWgmma ? 1024 : 16;   // a 128-byte swizzle atom is 8 rows = 1024 bytes
@@ -32,6 +38,9 @@ struct MainloopSmem {
   alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
   float tok_scale[kTileTokens][kMaxKBlocks];  // FP8: the task's token scales per 128-K block
   float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
+#if MEGAMOE_SMEM_MAINLOOP == 3
+  u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
+#endif
 };
 static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
 // The dynamic shared memory base is only 16-byte aligned: the kernel rounds it up (kStageAlign
@@ -48,6 +57,19 @@ static_assert(sizeof(MainloopSmem) + kMainloopSmemSlack == MEGAMOE_MAINLOOP_SMEM
 // each 64-row wgmma of its warpgroup for wgmma.
 MEGAMOE_DEVICE u32 acc_row_base(u32 warp, u32 mt) {
   return kWgmma ? (warp / 4) * 128 + mt * 64 + (warp % 4) * 16 : warp * 32 + mt * 16;
+}
+
+// TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
+// thread at kernel start; a grid sync (which begins with __syncthreads) follows before first use.
+MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
+#if MEGAMOE_SMEM_MAINLOOP == 3
+  if (threadIdx.x == 0) {
+    for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
+    fence_barrier_init();
+  }
+#else
+  (void)sm;
+#endif
 }
 
 MEGAMOE_DEVICE MainloopSmem* mainloop_smem_at(u8* dynamic_smem) {
@@ -83,6 +105,14 @@ MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
 // and the 32 token rows (clamped to the last valid row, like mma_tile.cuh).
 template <u32 K>
 MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
+#if MEGAMOE_SMEM_MAINLOOP == 3
+  if (threadIdx.x == 0) {
+    const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
+    mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
+    tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), static_cast<int>(op.rows.expert));
+    tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k, static_cast<int>(op.rows.first_row));
+  }
+#else
   constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
   const u32 k0 = chunk * kChunkBytes;
 #pragma unroll
@@ -96,6 +126,7 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
     const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
     cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
   }
+#endif
 }
 
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
@@ -202,6 +233,40 @@ MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const 
   }
 }
 
+// FP8 with 64-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
+// once, so one partial accumulator (32 floats) is live instead of two (register pressure).
+MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb, u32 ntiles) {
+  using Mma = typename Select<kFP8, WgmmaFp8E4M3<kTileTokens>, WgmmaBf16<kTileTokens>>::type;
+  constexpr u32 kAccum = kTileTokens / 2;
+  constexpr u32 kDescStep = 32 / 16;
+  const u32 warp = threadIdx.x / 32, wg = warp / 4, t4 = threadIdx.x % 4;
+  const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
+  const float w_lo = sm.w_scale[warp][0][kb], w_hi = sm.w_scale[warp][1][kb];
+#pragma unroll
+  for (u32 mt = 0; mt < 2; ++mt) {
+    float part[kAccum];
+    const u64 desc_a = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128 + mt * 64) * kStagedRow);
+    fence_accumulators(part);
+    wgmma_fence();
+#pragma unroll
+    for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
+      Mma::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, part, kk > 0);
+    wgmma_commit_group();
+    fence_accumulators(part);
+    wgmma_wait_group<0>();
+    fence_accumulators(part);
+#pragma unroll
+    for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt) {
+      if (nt >= ntiles) break;
+      const float t0 = sm.tok_scale[nt * 8 + 2 * t4][kb], t1 = sm.tok_scale[nt * 8 + 2 * t4 + 1][kb];
+      acc.v[mt][nt][0] += part[nt * 4 + 0] * w_lo * t0;
+      acc.v[mt][nt][1] += part[nt * 4 + 1] * w_lo * t1;
+      acc.v[mt][nt][2] += part[nt * 4 + 2] * w_hi * t0;
+      acc.v[mt][nt][3] += part[nt * 4 + 3] * w_hi * t1;
+    }
+  }
+}
+
 // The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
 // `next` (or nullptr): the CTA's next task of the same phase; its first kMainloopStages - 1
 // chunks are issued during this task's last iterations, so the weight stream never drains
@@ -224,8 +289,12 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
   }
   if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
   for (u32 c = 0; c < kChunks; ++c) {
+#if MEGAMOE_SMEM_MAINLOOP == 3
+    mbarrier_wait(&sm.full[(st.seq + c) % S], ((st.seq + c) / S) & 1, 0);
+#else
     cp_async_wait<S - 2>();
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
+#endif
     __syncthreads();  // chunk c landed for every thread; chunk c-1's stage is free again
     const u32 ahead = c + S - 1;
     if (ahead < kChunks)
@@ -238,14 +307,18 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
       if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
       else mma_chunk(acc, sm, stage, ntiles);
     } else {
-      WarpAcc part;
-      if constexpr (kWgmma) {
-        wgmma_chunk(part, sm, stage, false);
+      if constexpr (kWgmma && kTileTokens == 64) {
+        wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);
       } else {
-        part.zero();
-        mma_chunk(part, sm, stage, ntiles);
+        WarpAcc part;
+        if constexpr (kWgmma) {
+          wgmma_chunk(part, sm, stage, false);
+        } else {
+          part.zero();
+          mma_chunk(part, sm, stage, ntiles);
+        }
+        promote_block_smem(acc, part, sm, c, ntiles);
       }
-      promote_block_smem(acc, part, sm, c, ntiles);
     }
   }
   st.seq += kChunks;

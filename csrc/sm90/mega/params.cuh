@@ -79,10 +79,21 @@ MEGAMOE_DEVICE TaskRows task_rows(const ExpertTable& table, u32 block) {
   return {e, first, left < kTileTokens ? left : kTileTokens};
 }
 
+// The TMA tensor maps of the TMA mainloop (kernel parameters; zero-filled and unused otherwise).
+struct TmaMaps {
+  const TensorMap* w13;  // [experts][2I][H], box 128 bytes x 256 rows x 1
+  const TensorMap* w2;   // [experts][H][I]
+  const TensorMap* l1;   // staging_l1 [rows][H], box 128 bytes x kTileTokens rows
+  const TensorMap* l2;   // staging_l2 [rows][I]
+};
+
 // The operands of one GEMM task as a mainloop reads them.
 struct TaskOperands {
   TaskRows rows;
   const u8* a;               // the CTA's first weight row (rows K * kElemBytes bytes apart)
+  const TensorMap* a_map;    // TMA mainloop: the weights' map [experts][rows][K] ...
+  u32 a_row0;                // ... and the tile's first row within the expert
+  const TensorMap* b_map;    // TMA mainloop: the phase's token rows [staging rows][K]
   const u8* tok;             // token rows of the phase (staging_l1 or staging_l2)
   u32 tok_pitch;             // bytes between token rows
   const float* w_scale[2];   // FP8: this warp's weight-scale rows (by 128-K block) of fragment rows g | g + 8
