@@ -5,6 +5,7 @@
 // slowest CTA's last L1 task ends. No deadlock: every CTA runs all its L1 tasks before its first
 // L2 task, and all CTAs are co-resident. The counters are zeroed at the end of the call.
 #pragma once
+#include "../ptx.cuh"
 #include "params.cuh"
 #include "sync.cuh"
 
@@ -38,6 +39,9 @@ MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block,
       }
     }
     *flag = next_block != ~0u && l1_block_ready(me, next_block);
+#if MEGAMOE_SMEM_MAINLOOP == 3
+    fence_proxy_async_global();  // the block's staging_l2 rows were stored by other CTAs; TMA reads them
+#endif
   }
   __syncthreads();
   const bool next_ready = *flag != 0;
