@@ -63,5 +63,26 @@ def routing(shape: MoEShape, tokens: int, device, gen: torch.Generator, skew: fl
     return idx, w / w.sum(-1, keepdim=True)
 
 
+def rotating_inputs(shape: MoEShape, tokens: int, device, seed: int, group=None, count: int = 3):
+    """`count` input sets (x bf16, top-k ids, weights), the static tensors a CUDA graph captures
+    (a copy of the first set) and load(i), which copies set i % count into them, synchronises
+    and meets the other ranks: every timed call sees new data and starts with its peers."""
+    import torch.distributed as dist
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        x = torch.randn(tokens, shape.hidden, device=device, generator=gen).to(torch.bfloat16)
+        sets.append((x, *routing(shape, tokens, device, gen)))
+    static = [t.clone() for t in sets[0]]
+
+    def load(i: int) -> None:
+        for dst, src in zip(static, sets[i % count]):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        if group is not None:
+            dist.barrier(group)
+    return sets, static, load
+
+
 def median_us(times_ms: list[float]) -> float:
     return statistics.median(times_ms) * 1e3

@@ -10,14 +10,13 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 
 from vllm_megamoe import SymmBuffer, portable, reference
 from vllm_megamoe.kernels import sm90_mega_moe
 from vllm_megamoe.launch import run_ranks
 
 from benchmarks.chain import UnfusedChain
-from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, routing
+from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, rotating_inputs
 from benchmarks.timing import capture_graph, time_events
 
 
@@ -32,19 +31,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
         del w13, w2
         buf = SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev)
         for tokens in tokens_list:
-            gen = torch.Generator(device=dev).manual_seed(rank + tokens)
-            sets = []
-            for _ in range(3):
-                x = torch.randn(tokens, shape.hidden, device=dev, generator=gen).to(torch.bfloat16)
-                sets.append((x, *routing(shape, tokens, dev, gen)))
-            static = [t.clone() for t in sets[0]]
+            sets, static, load = rotating_inputs(shape, tokens, dev, rank + tokens, group)
             y = torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device=dev)
-
-            def load(i):
-                for d, s in zip(static, sets[i % 3]):
-                    d.copy_(s)
-                torch.cuda.synchronize()
-                dist.barrier(group)
 
             y_kernel = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
             y_port = portable.mega_moe(*sets[0], weights, buf)

@@ -47,12 +47,11 @@ def phase_row(summary: dict) -> dict:
 
 def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
     import torch
-    import torch.distributed as dist
 
     from vllm_megamoe import SymmBuffer, reference
     from vllm_megamoe.kernels import phase_clock, sm90_mega_moe
 
-    from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, routing
+    from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, rotating_inputs
     from benchmarks.timing import capture_graph, time_events
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -62,20 +61,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
         weights = local_weights(shape, world, rank, fmt, dev)
         buf = SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev)
         for tokens in tokens_list:
-            gen = torch.Generator(device=dev).manual_seed(rank + 7 * tokens)
-            sets = []
-            for _ in range(3):
-                x = torch.randn(tokens, shape.hidden, device=dev, generator=gen).to(torch.bfloat16)
-                sets.append((x, *routing(shape, tokens, dev, gen)))
-            static = [t.clone() for t in sets[0]]
+            sets, static, load = rotating_inputs(shape, tokens, dev, rank + 7 * tokens, group)
             y = torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device=dev)
-
-            def load(i):
-                for d, s in zip(static, sets[i % 3]):
-                    d.copy_(s)
-                torch.cuda.synchronize()
-                if group is not None:
-                    dist.barrier(group)
 
             baseline = None
             for variant in variants:
