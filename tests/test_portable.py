@@ -140,3 +140,12 @@ def test_cuda_buffer_refuses_ranks_without_peer_access(monkeypatch):
         buf._check_peer_access()
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     buf._check_peer_access()  # one host, peer access everywhere: fine
+
+
+def test_portable_scatter_setting_is_checked(monkeypatch):
+    from vllm_megamoe import portable_combine
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "triton")
+    assert portable_combine.scatter_setting() == "triton"
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "nccl")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_SCATTER='nccl' must be one of"):
+        portable_combine.scatter_setting()

@@ -89,3 +89,16 @@ def test_cuda_graph_one_gpu(fmt):
 def test_cuda_graph_two_gpus(fmt):
     for errs in run_ranks(_graph_rank, 2, (SHAPES[1], fmt, 64), backend="nccl", timeout_s=300):
         assert max(errs) <= EMULATED_BOUND[fmt], errs
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_padded_mode_with_the_triton_combine_scatter(fmt):
+    """VLLM_MEGAMOE_PORTABLE_SCATTER=triton: live rows written by one kernel to their peers; the
+    same cases as the index_put version, eager and captured."""
+    env = {"VLLM_MEGAMOE_PORTABLE_SCATTER": "triton"}
+    rows = run_ranks(_rank_main, 2, (SHAPES[1], fmt, "padded"), backend="nccl", timeout_s=300, env=env)
+    assert_rows(rows, fmt)
+    for errs in run_ranks(_graph_rank, 2, (SHAPES[1], fmt, 64), backend="nccl", timeout_s=300, env=env):
+        assert max(errs) <= EMULATED_BOUND[fmt], errs

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import portable_gemm, quant
+from . import portable_combine, portable_gemm, quant
 from .buffer import SymmBuffer
 from .errors import MegaMoEError
 from .reference import swiglu
@@ -255,6 +255,9 @@ def _forward_padded(buffer, shape, weights, clamp, bound: int):
                                   torch.cumsum(counts, 0).to(torch.int32))
     else:  # CPU runs of the padded mode (tests): host counts are fine here
         out = _expert_mlp_loop(pair_q, pair_s, w, weights, clamp, counts.tolist())
+    if pair_q.is_cuda and portable_combine.scatter_setting() == "triton":
+        portable_combine.scatter_to_peers(buffer, out.contiguous(), src, slot, tok, valid)
+        return
     for p in range(buffer.num_ranks):
         _write_combine(buffer, p, slot, tok, out, valid & (src == p))
 

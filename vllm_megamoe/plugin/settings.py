@@ -102,6 +102,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "GEMM mainloop of the SM90 kernel: wgmma (default, swizzled cp.async stages + warpgroup "
         "MMA), tma (the same stages filled by TMA), smem (padded stages + mma.sync) or ldg "
         "(direct loads).", core_env=True),
+    Key("portable_scatter", _choice("torch", "triton"), None,
+        "How the portable path's CUDA-graph (padded) mode writes combine rows: torch (index_put "
+        "per peer) or triton (one kernel, live rows only, vector stores).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks: 32 (default), 64 (wgmma only; "
         "streams each weight tile half as often in prefill) or auto (64 from 48 expected rows per "

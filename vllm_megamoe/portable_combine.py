@@ -1,0 +1,84 @@
+"""Combine writes of the portable path's padded (CUDA-graph) mode with one Triton kernel.
+
+The padded mode has a fixed number of output rows (every pair a peer may send), most of them
+masked. Written with `index_put` per peer, every row goes to every peer's buffer (masked rows
+into that peer's trash row) as 2-byte element stores, over NVLink for remote peers. This kernel
+instead copies each live row once, to the peer that owns its token, with 16-byte vector stores,
+and skips masked rows: the bytes that cross NVLink are the live rows only.
+
+Selected with VLLM_MEGAMOE_PORTABLE_SCATTER=triton (default: torch, the index_put version).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .shape import check_tensor, require
+
+SCATTERS = ("torch", "triton")
+
+
+def scatter_setting() -> str:
+    raw = os.environ.get("VLLM_MEGAMOE_PORTABLE_SCATTER", "torch")
+    require(raw in SCATTERS, f"VLLM_MEGAMOE_PORTABLE_SCATTER={raw!r} must be one of {SCATTERS}")
+    return raw
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    # Peers' combine regions are addressed from this rank's (`anchor`, 16-byte aligned) plus an
+    # element offset that is a multiple of 8, so the compiler can prove 16-byte alignment and
+    # emit vector stores (a pointer made from a loaded integer would have unknown alignment).
+    @triton.jit
+    def scatter_rows_to_peers(out_ptr, width, anchor_ptr, deltas_ptr, peer_ptr, dst_row_ptr, live_ptr, pitch,
+                              BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        if tl.load(live_ptr + row) == 0:
+            return
+        peer = tl.load(peer_ptr + row)
+        delta = tl.multiple_of(tl.load(deltas_ptr + peer), 8)
+        dst = tl.multiple_of(tl.load(dst_row_ptr + row).to(tl.int64) * pitch, 8)
+        src = tl.multiple_of(row.to(tl.int64) * width, 8)
+        for c0 in range(0, width, BLOCK):
+            cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            mask = cols < width
+            tl.store(anchor_ptr + delta + dst + cols, tl.load(out_ptr + src + cols, mask=mask), mask=mask)
+
+    return scatter_rows_to_peers
+
+
+def combine_deltas(buffer) -> torch.Tensor:
+    """int64 [R]: element offsets (bf16) of every rank's combine region from this rank's, in
+    this process's address space (cached on the buffer)."""
+    cache = buffer.__dict__.setdefault("_portable_combine", {})
+    if "deltas" not in cache:
+        mine = buffer.view("combine").data_ptr()
+        deltas = []
+        for p in range(buffer.num_ranks):
+            diff = buffer.view("combine", p).data_ptr() - mine
+            require(diff % 16 == 0, f"rank {p}'s combine region is not 16-byte aligned relative to this rank's")
+            deltas.append(diff // 2)
+        cache["deltas"] = torch.tensor(deltas, dtype=torch.int64, device=buffer.device)
+    return cache["deltas"]
+
+
+def scatter_to_peers(buffer, out_rows: torch.Tensor, peer: torch.Tensor, slot: torch.Tensor,
+                     token: torch.Tensor, live: torch.Tensor) -> None:
+    """combine[slot[i]][token[i]] of rank peer[i] <- out_rows[i] for every live row i (CUDA)."""
+    n, width = out_rows.shape
+    c, t, pitch = buffer.layout.region("combine").shape
+    check_tensor("out_rows", out_rows, dtype=torch.bfloat16, contiguous=True)
+    require(width <= pitch, f"rows of {width} values do not fit combine rows of {pitch}")
+    for name, tensor in (("peer", peer), ("slot", slot), ("token", token), ("live", live)):
+        require(tensor.shape == (n,), f"{name} must have shape ({n},), got {tuple(tensor.shape)}")
+    if n == 0:
+        return
+    dst_row = (slot.long() * t + token.long()).contiguous()
+    require(width % 8 == 0 and pitch % 8 == 0, f"rows of {width} / {pitch} values are not 16-byte multiples")
+    _kernel()[(n,)](out_rows, width, buffer.view("combine"), combine_deltas(buffer), peer.long().contiguous(),
+                    dst_row, live.to(torch.int8).contiguous(), pitch, BLOCK=1024)
