@@ -7,6 +7,7 @@
 #                with the smem fallback's main tests first
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
+#   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_SCATTER=triton: tests and timing
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
 #                about the per-rank expert load of 8-16 tokens per rank at EP2)
 # Usage: STEP=verify bash scripts/device_next_session.sh   (results in $OUT)
@@ -42,11 +43,18 @@ case "${STEP:-verify}" in
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1
     grep -E "^== " "$OUT/bench.log" ;;
+  portable) # the portable path's Triton combine scatter: its GPU tests, then portable vs chain both ways
+    timeout 150 python3 -m pytest $T tests/test_portable_gpu.py 2>&1 > "$OUT/portable_tests.log"
+    tail -4 "$OUT/portable_tests.log"
+    for s in torch triton; do
+      VLLM_MEGAMOE_PORTABLE_SCATTER=$s timeout 150 python3 -m benchmarks.first_kernel_timing --gpus 2 \
+        --shapes deepseek-v3 v4-flash --tokens 8 128 --out "$OUT/portable_$s.json" 2>&1 | tail -6
+    done ;;
   ncu)      # Nsight Compute on one launch of the default build (one GPU, V4-Flash-like, TOKENS per rank)
     timeout 300 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash --tokens ${TOKENS:-64} --iters 3 \
       > "$OUT/ncu.txt" 2>&1
     grep -E "Throughput|Duration|Stall|Issued|Bandwidth|Hit Rate" "$OUT/ncu.txt" | head -60 ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench or ncu"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, probe, bench, portable or ncu"; exit 2 ;;
 esac
