@@ -8,14 +8,20 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 class BuildPyWithCsrc(build_py):
-    """Ship the CUDA sources (top-level csrc/) inside the package: they are JIT-compiled at run
-    time, and vllm_megamoe.kernels.jit.csrc_dir() looks for them in vllm_megamoe/csrc first."""
+    """Ship the CUDA sources (top-level csrc/) and the SM90 tuning table inside the package: the
+    sources are JIT-compiled at run time (vllm_megamoe.kernels.jit.csrc_dir() looks for them in
+    vllm_megamoe/csrc first), the table is read by vllm_megamoe.kernels.sm90_tuning."""
 
     def run(self):
         super().run()
         src = os.path.join(ROOT, "csrc")
         if os.path.isdir(src):
             shutil.copytree(src, os.path.join(self.build_lib, "vllm_megamoe", "csrc"), dirs_exist_ok=True)
+        # The SM90 kernel's tuning table (vllm_megamoe.kernels.sm90_tuning looks there first).
+        table = os.path.join(ROOT, "configs", "sm90_mega_moe.yaml")
+        if os.path.isfile(table):
+            os.makedirs(os.path.join(self.build_lib, "vllm_megamoe", "configs"), exist_ok=True)
+            shutil.copy(table, os.path.join(self.build_lib, "vllm_megamoe", "configs"))
 
 
 setup(

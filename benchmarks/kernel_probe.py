@@ -49,7 +49,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
     import torch
 
     from vllm_megamoe import SymmBuffer, reference
-    from vllm_megamoe.kernels import phase_clock, sm90_mega_moe
+    from vllm_megamoe.kernels import phase_clock, sm90_mega_moe, sm90_tuning
 
     from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, rotating_inputs
     from benchmarks.timing import capture_graph, time_events
@@ -82,15 +82,16 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock)
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
-                    resolved = (f"{sm90_mega_moe.mainloop()}/{sm90_mega_moe.mainloop_stages()}"
-                                f"/{sm90_mega_moe.token_tile(shape, tokens, world)}")
+                    resolved = sm90_tuning.choose(shape, fmt, world, tokens).label()
                 finally:
                     for k, v in saved.items():
                         if v is None:
                             os.environ.pop(k, None)
                         else:
                             os.environ[k] = v
-                rows.append(dict(shape=name, format=fmt, tokens_per_rank=tokens, variant=variant, rank=rank,
+                rows.append(dict(shape=name, hidden=shape.hidden, intermediate=shape.intermediate,
+                                 experts=shape.num_experts, topk=shape.topk, format=fmt, tokens_per_rank=tokens,
+                                 variant=variant, rank=rank,
                                  mainloop=resolved,
                                  graph_us=median_us(times), rel_err_vs_first_variant=err,
                                  clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),

@@ -249,30 +249,3 @@ def test_params_mirror_matches_the_kernel_struct():
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     fields = re.findall(r"^\s*[\w:<>\s\*]+?[\s\*](\w+)(?:\[\d+\])?;", body, re.M)
     assert fields == [name for name, _ in sm90_mega_moe._Params._fields_]
-
-
-def test_token_tile_64_needs_the_wgmma_mainloop(monkeypatch):
-    from vllm_megamoe.kernels import sm90_mega_moe
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")
-    with pytest.raises(ValueError, match="needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma"):
-        sm90_mega_moe.token_tile()
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
-    assert sm90_mega_moe.token_tile() == 64
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "48")
-    with pytest.raises(ValueError, match="must be 32, 64 or auto"):
-        sm90_mega_moe.token_tile()
-
-
-def test_auto_token_tile_follows_rows_per_expert(monkeypatch):
-    from vllm_megamoe import MoEShape
-    from vllm_megamoe.kernels import sm90_mega_moe as k
-    v4 = MoEShape(4096, 2048, 256, 6)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "auto")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
-    assert k.tile_choices() == (32, 64)
-    # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.
-    assert k.token_tile(v4, 1024, 2) == 64 and k.token_tile(v4, 1023, 2) == 32
-    assert k.token_tile(v4, 8, 2) == 32 and k.token_tile(v4, 8192, 2) == 64
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")  # auto never picks 64 without wgmma
-    assert k.tile_choices() == (32,) and k.token_tile(v4, 8192, 2) == 32

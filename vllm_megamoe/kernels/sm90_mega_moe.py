@@ -16,7 +16,8 @@ import torch
 from ..buffer import SymmBuffer
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
-from . import error_record, jit
+from . import error_record, jit, sm90_tuning
+from .sm90_tuning import WGMMA_MAINLOOPS, Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
 ENTRY = "megamoe_sm90_fused"
@@ -24,60 +25,15 @@ NUM_THREADS = 256
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 512
 TILE_ROWS = 256
-TILE_TOKENS = (32, 64)   # rows of a token block; 64 needs the wgmma mainloop
-# Mainloop variants (VLLM_MEGAMOE_SM90_MAINLOOP), csrc/sm90/mega/mainloop_smem.cuh:
+# Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
 #   "wgmma" (default): cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
-#     (H200, V4-Flash-like EP2: 1.2x the smem variant at 8 tokens per rank, 2x at 1024-8192);
+#     (H200, V4-Flash-like EP2: 1.2x the smem build at 8 tokens per rank, 2x at 1024-8192);
 #   "tma": the wgmma stages filled by TMA box copies on per-stage mbarriers (one issuing thread);
 #   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
 #   "ldg": fragments loaded straight from global memory (the first version).
+# Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
 MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3}
-WGMMA_MAINLOOPS = ("wgmma", "tma")  # swizzled stages + wgmma: 64-token tiles possible
-DEFAULT_STAGES = 4
 SMEM_PER_BLOCK = 227 * 1024
-
-
-def mainloop() -> str:
-    name = os.environ.get("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
-    require(name in MAINLOOPS, f"VLLM_MEGAMOE_SM90_MAINLOOP={name!r} must be one of {sorted(MAINLOOPS)}")
-    return name
-
-
-def mainloop_stages() -> int:
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_STAGES", str(DEFAULT_STAGES))
-    require(raw.isdigit() and 2 <= int(raw) <= 8, f"VLLM_MEGAMOE_SM90_STAGES={raw!r} must be an integer in [2, 8]")
-    return int(raw)
-
-
-AUTO_TILE_ROWS_PER_EXPERT = 48  # "auto": 64-token tiles from this many expected rows per local expert
-
-
-def token_tile_setting() -> str:
-    """VLLM_MEGAMOE_SM90_TOKEN_TILE: "32" (default), "64" or "auto" (64 when the call's expected
-    rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT); 64-token tiles need the wgmma mainloop
-    (each weight tile is streamed once per 64 rows of an expert instead of 32: for prefill)."""
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")
-    require(raw in ("32", "64", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64 or auto")
-    require(raw != "64" or mainloop() in WGMMA_MAINLOOPS,
-            f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma (it is {mainloop()!r})")
-    return raw
-
-
-def token_tile(shape: Optional[MoEShape] = None, num_tokens: Optional[int] = None, num_ranks: int = 1) -> int:
-    """Rows per token block for a call with `num_tokens` on this rank (peers assumed alike)."""
-    raw = token_tile_setting()
-    if raw != "auto":
-        return int(raw)
-    if mainloop() not in WGMMA_MAINLOOPS or shape is None or num_tokens is None:
-        return 32
-    rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
-    return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
-
-
-def tile_choices() -> tuple[int, ...]:
-    """Every tile size a call may pick under the current settings (all are compiled together)."""
-    raw = token_tile_setting()
-    return (32, 64) if raw == "auto" and mainloop() in WGMMA_MAINLOOPS else (32 if raw == "auto" else int(raw),)
 
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
@@ -133,27 +89,24 @@ def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
     return True, "supported"
 
 
-def kernel_spec(shape: MoEShape, buffer: SymmBuffer, tile: Optional[int] = None) -> jit.KernelSpec:
-    """The compiled variant for `shape` on `buffer`; tile: rows per token block (default: the
-    first of tile_choices())."""
+def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = None) -> jit.KernelSpec:
+    """The compiled build of `choice` (default: the layer's first, sm90_tuning.choices) for
+    `shape` on `buffer`."""
+    fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
+    choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
-                   MEGAMOE_FP8=int(buffer.layout.format == "fp8-block"),
-                   MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[mainloop()])
-    tile = tile or tile_choices()[0]
-    require(tile in TILE_TOKENS and (tile == 32 or mainloop() in WGMMA_MAINLOOPS),
-            f"token tile {tile} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma and must be one of {TILE_TOKENS}")
-    defines.update(MEGAMOE_TILE_TOKENS=tile)
-    if mainloop() != "ldg":
-        stages = mainloop_stages()
-        smem = mainloop_smem_bytes(shape, stages, mainloop(), tile)
-        static = static_smem_bytes(buffer.layout.shape.experts_per_rank(buffer.layout.num_ranks),
-                                   buffer.layout.num_ranks, tile)
+                   MEGAMOE_FP8=int(fmt == "fp8-block"), MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[choice.mainloop],
+                   MEGAMOE_TILE_TOKENS=choice.tile)
+    if choice.mainloop != "ldg":
+        smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
+        static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile)
         require(smem + static <= SMEM_PER_BLOCK,
-                f"VLLM_MEGAMOE_SM90_STAGES={stages} needs {smem} + {static} bytes of shared memory for "
-                f"hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages")
-        defines.update(MEGAMOE_MAINLOOP_STAGES=stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
+                f"{choice.stages} stages of the {choice.mainloop} mainloop need {smem} + {static} bytes of shared "
+                f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "
+                "(VLLM_MEGAMOE_SM90_STAGES or the tuning table)")
+        defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 
 
@@ -206,8 +159,8 @@ def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
     """Compile (or load from the disk cache) the kernel variant of `shape` on `buffer` and wait
     until every rank of the buffer's group has it: a collective, like the first call of
     mega_moe, which does the same. Call it on every rank before capturing a CUDA graph."""
-    for tile in tile_choices():
-        jit.get_kernel(kernel_spec(shape, buffer, tile), buffer.device.index or 0)
+    for choice in sm90_tuning.choices(shape, buffer.layout.format, buffer.layout.num_ranks):
+        jit.get_kernel(kernel_spec(shape, buffer, choice), buffer.device.index or 0)
     _align_ranks_after_compile(buffer, kernel_spec(shape, buffer))
 
 
@@ -253,8 +206,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     family = kernel_spec(shape, buffer)
     if family not in buffer.__dict__.get("_sm90_ready", ()):
         load_kernel(shape, buffer)  # every tile choice compiled, then one collective
-    tile = token_tile(shape, t, buffer.num_ranks)
-    spec = family if tile == tile_choices()[0] else kernel_spec(shape, buffer, tile)
+    choice = sm90_tuning.choose(shape, buffer.layout.format, buffer.num_ranks, t)
+    spec = kernel_spec(shape, buffer, choice)
     dev = x.device.index
     kernel = jit.get_kernel(spec, dev)
     params = _Params()
@@ -276,7 +229,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.num_tokens, params.rank = t, buffer.rank
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
-    maps = tma_maps(kw, buffer, tile) if mainloop() == "tma" else [_NO_MAP] * 4
+    maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop == "tma" else [_NO_MAP] * 4
     kernel.launch(_grid_size(dev, spec), NUM_THREADS, dynamic_smem_bytes(spec),
                   torch.cuda.current_stream(x.device).cuda_stream, [params, *maps])
     return y

@@ -109,6 +109,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "Rows per token block of the SM90 kernel's GEMM tasks: 32 (default), 64 (wgmma only; "
         "streams each weight tile half as often in prefill) or auto (64 from 48 expected rows per "
         "expert).", core_env=True),
+    Key("sm90_tuning", _text, None,
+        "YAML tuning table of the SM90 kernel (default: the packaged configs/sm90_mega_moe.yaml).",
+        core_env=True),
     Key("sm90_stages", _positive_int, None,
         "cp.async pipeline depth of the SM90 kernel's smem mainloop (default 4, 2-8).", core_env=True),
 )}

@@ -1,0 +1,122 @@
+"""Which build of the SM90 kernel a call runs: environment, tuning table, heuristic."""
+import pytest
+
+from vllm_megamoe import MoEShape
+from vllm_megamoe.kernels import sm90_tuning as tu
+from vllm_megamoe.kernels.sm90_tuning import Choice
+
+V4 = MoEShape(4096, 2048, 256, 6)
+KNOBS = ("VLLM_MEGAMOE_SM90_MAINLOOP", "VLLM_MEGAMOE_SM90_STAGES", "VLLM_MEGAMOE_SM90_TOKEN_TILE",
+         "VLLM_MEGAMOE_SM90_TUNING")
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for k in KNOBS:
+        monkeypatch.delenv(k, raising=False)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("version: 1\nentries: []\n")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TUNING", str(empty))  # not the packaged table
+    return monkeypatch
+
+
+def _table(tmp_path, buckets, ranks=2, fmt="fp8-block"):
+    import yaml
+    doc = {"version": 1, "entries": [{"shape": {"hidden": 4096, "intermediate": 2048, "experts": 256, "topk": 6},
+                                      "format": fmt, "ranks": ranks, "buckets": buckets}]}
+    path = tmp_path / "tuning.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_heuristic_without_table_or_environment(clean_env):
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("wgmma", 4, 32)
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 4, 32)]
+
+
+def test_table_buckets_pick_by_tokens_per_rank(clean_env, tmp_path):
+    path = _table(tmp_path, [{"max_tokens": 512, "mainloop": "wgmma", "stages": 5, "tile": 32},
+                             {"max_tokens": 4096, "mainloop": "tma", "stages": 4, "tile": 64}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("wgmma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 2, 512) == Choice("wgmma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 2, 513) == Choice("tma", 4, 64)
+    assert tu.choose(V4, "fp8-block", 2, 9000) == Choice("tma", 4, 64)  # past the last bucket
+    assert tu.choose(V4, "fp8-block", 4, 8) == Choice()                 # other EP size: heuristic
+    assert tu.choose(V4, "bf16", 2, 8) == Choice()
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 5, 32), Choice("tma", 4, 64)]
+
+
+def test_environment_overrides_the_table(clean_env, tmp_path):
+    path = _table(tmp_path, [{"max_tokens": 100000, "mainloop": "tma", "stages": 5, "tile": 64}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
+    clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "3")
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 3, 64)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")  # the table's 64 cannot run on smem
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("smem", 3, 32)
+
+
+def test_auto_tile_follows_rows_per_expert(clean_env):
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "auto")
+    # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.
+    assert tu.choose(V4, "fp8-block", 2, 1024).tile == 64 and tu.choose(V4, "fp8-block", 2, 1023).tile == 32
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 4, 32), Choice("wgmma", 4, 64)]
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")  # auto never picks 64 without wgmma
+    assert tu.choose(V4, "fp8-block", 2, 8192).tile == 32
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("smem", 4, 32)]
+
+
+def test_bad_settings_are_named(clean_env, tmp_path):
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")
+    with pytest.raises(ValueError, match="TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma"):
+        tu.choose(V4, "fp8-block", 2, 8)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "48")
+    with pytest.raises(ValueError, match="must be 32, 64 or auto"):
+        tu.choose(V4, "fp8-block", 2, 8)
+    clean_env.delenv("VLLM_MEGAMOE_SM90_TOKEN_TILE")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "cutlass")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_MAINLOOP='cutlass'"):
+        tu.choose(V4, "fp8-block", 2, 8)
+    clean_env.delenv("VLLM_MEGAMOE_SM90_MAINLOOP")
+    bad = _table(tmp_path, [{"max_tokens": 8, "mainloop": "smem", "stages": 4, "tile": 64}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(bad))
+    with pytest.raises(ValueError, match="entry 0.*64-token tiles need"):
+        tu.choose(V4, "fp8-block", 2, 8)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="is not a file"):
+        tu.choose(V4, "fp8-block", 2, 8)
+
+
+def test_tuning_script_buckets_the_fastest_correct_build():
+    from benchmarks import tune_sm90
+
+    def row(tokens, label, us, err=0.0):
+        return dict(shape="v4-flash", format="fp8-block", tokens_per_rank=tokens, variant=label, mainloop=label,
+                    graph_us=us, rel_err_vs_first_variant=err)
+    probe = {"env": {"gpus": 2}, "rows": [
+        row(8, "wgmma/4/32", 400), row(8, "wgmma/5/32", 380), row(8, "tma/4/32", 100, err=0.5),  # wrong: never wins
+        row(128, "wgmma/4/32", 900), row(128, "wgmma/5/32", 950),
+        row(1024, "wgmma/4/32", 1700), row(1024, "wgmma/4/64", 1500),
+        row(8192, "wgmma/4/64", 6000), row(8192, "tma/4/64", 6100)]}
+    doc = tune_sm90.table([probe], None, max_err=2e-2)
+    (entry,) = doc["entries"]
+    assert entry["shape"] == {"hidden": 4096, "intermediate": 2048, "experts": 256, "topk": 6} and entry["ranks"] == 2
+    assert entry["buckets"] == [
+        {"max_tokens": 32, "mainloop": "wgmma", "stages": 5, "tile": 32},          # sqrt(8 * 128)
+        {"max_tokens": 362, "mainloop": "wgmma", "stages": 4, "tile": 32},         # sqrt(128 * 1024)
+        {"max_tokens": tune_sm90.LAST_BUCKET, "mainloop": "wgmma", "stages": 4, "tile": 64}]  # 1024 and 8192 merged
+    parsed = tu.parse_table(doc)
+    assert parsed[(4096, 2048, 256, 6, "fp8-block", 2)][0] == (32, Choice("wgmma", 5, 32))
+    # An existing entry for another layer is kept; the probed layer's is replaced.
+    other = dict(entry, ranks=4)
+    doc2 = tune_sm90.table([probe], {"version": 1, "entries": [other, dict(entry, buckets=[])]}, 2e-2)
+    assert [e["ranks"] for e in doc2["entries"]] == [2, 4] and doc2["entries"][0]["buckets"] == entry["buckets"]
+
+
+def test_packaged_table_parses():
+    path = tu.table_path()
+    if path is None:
+        pytest.skip("no packaged tuning table")
+    import yaml
+    tu.parse_table(yaml.safe_load(path.read_text()), str(path))

@@ -1,0 +1,177 @@
+"""Which build of the fused SM90 kernel a call runs: mainloop, pipeline stages, token tile.
+
+Three sources, strongest first:
+1. environment overrides, each replacing one field for every call: VLLM_MEGAMOE_SM90_MAINLOOP,
+   VLLM_MEGAMOE_SM90_STAGES, VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64 or auto);
+2. the tuning table, configs/sm90_mega_moe.yaml (shipped inside the package; another file with
+   VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
+   bucket of tokens per rank, written by `python -m benchmarks.tune_sm90` from kernel_probe runs;
+3. the heuristic: wgmma, 4 stages, 32-token tiles (what the last measurements favour everywhere).
+Ranks with different token counts may pick different builds in one call: the protocol between
+ranks does not depend on the build, and every build a layer may use is compiled before the first
+call's rank alignment (`choices`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..shape import MoEShape, require
+
+MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
+WGMMA_MAINLOOPS = ("wgmma", "tma")  # swizzled stages + wgmma: 64-token tiles possible
+TILES = (32, 64)
+AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
+TABLE_NAME = "sm90_mega_moe.yaml"
+
+
+@dataclass(frozen=True, order=True)
+class Choice:
+    mainloop: str = "wgmma"
+    stages: int = 4
+    tile: int = 32
+
+    def __post_init__(self):
+        require(self.mainloop in MAINLOOPS, f"mainloop {self.mainloop!r} must be one of {MAINLOOPS}")
+        require(2 <= self.stages <= 8, f"stages={self.stages} must be in [2, 8]")
+        require(self.tile in TILES, f"token tile {self.tile} must be one of {TILES}")
+        require(self.tile == 32 or self.mainloop in WGMMA_MAINLOOPS,
+                f"64-token tiles need the wgmma or tma mainloop (not {self.mainloop!r})")
+        require(self.mainloop != "ldg" or self.stages == 4, "the ldg mainloop has no stages (leave 4)")
+
+    def label(self) -> str:
+        return f"{self.mainloop}/{self.stages}/{self.tile}"
+
+
+HEURISTIC = Choice()
+
+
+# -- environment ------------------------------------------------------------------------------
+def env_overrides() -> dict:
+    """The fields the environment fixes for every call ("tile" may be "auto")."""
+    out: dict = {}
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_MAINLOOP")
+    if raw is not None:
+        require(raw in MAINLOOPS, f"VLLM_MEGAMOE_SM90_MAINLOOP={raw!r} must be one of {list(MAINLOOPS)}")
+        out["mainloop"] = raw
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_STAGES")
+    if raw is not None:
+        require(raw.isdigit() and 2 <= int(raw) <= 8, f"VLLM_MEGAMOE_SM90_STAGES={raw!r} must be an integer in [2, 8]")
+        out["stages"] = int(raw)
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_TOKEN_TILE")
+    if raw is not None:
+        require(raw in ("32", "64", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64 or auto")
+        out["tile"] = raw if raw == "auto" else int(raw)
+    if out.get("tile") == 64:
+        mainloop = out.get("mainloop", HEURISTIC.mainloop)
+        require(mainloop in WGMMA_MAINLOOPS,
+                f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma (it is {mainloop!r})")
+    return out
+
+
+def auto_tile(shape: MoEShape, num_tokens: int, num_ranks: int, mainloop: str) -> int:
+    """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT."""
+    if mainloop not in WGMMA_MAINLOOPS:
+        return 32
+    rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
+    return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
+
+
+# -- the table --------------------------------------------------------------------------------
+def table_path() -> Optional[Path]:
+    """VLLM_MEGAMOE_SM90_TUNING, else the packaged table, else the repository's configs/."""
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_TUNING")
+    if raw:
+        path = Path(raw)
+        require(path.is_file(), f"VLLM_MEGAMOE_SM90_TUNING={raw!r} is not a file")
+        return path
+    package = Path(__file__).resolve().parent.parent
+    for path in (package / "configs" / TABLE_NAME, package.parent / "configs" / TABLE_NAME):
+        if path.is_file():
+            return path
+    return None
+
+
+def entry_key(shape: MoEShape, fmt: str, num_ranks: int) -> tuple:
+    return (shape.hidden, shape.intermediate, shape.num_experts, shape.topk, fmt, num_ranks)
+
+
+def parse_table(doc: dict, where: str = "the tuning table") -> dict:
+    """{entry_key: [(max_tokens, Choice), ...] ascending} from the YAML document; errors name
+    the entry that is wrong."""
+    require(isinstance(doc, dict) and doc.get("version") == 1, f"{where}: expected a mapping with version: 1")
+    table: dict = {}
+    for i, entry in enumerate(doc.get("entries") or []):
+        what = f"{where}, entry {i}"
+        try:
+            s = entry["shape"]
+            key = (int(s["hidden"]), int(s["intermediate"]), int(s["experts"]), int(s["topk"]),
+                   str(entry["format"]), int(entry["ranks"]))
+            buckets = sorted((int(b["max_tokens"]), Choice(str(b["mainloop"]), int(b["stages"]), int(b["tile"])))
+                             for b in entry["buckets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{what}: {exc}") from exc
+        require(bool(buckets), f"{what}: no buckets")
+        require(key not in table, f"{what}: a second entry for {key}")
+        table[key] = buckets
+    return table
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> dict:
+    import yaml
+    with open(path) as f:
+        return parse_table(yaml.safe_load(f), path)
+
+
+def load_table() -> dict:
+    path = table_path()
+    return {} if path is None else _load(str(path), path.stat().st_mtime)
+
+
+def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[Choice]:
+    """The table's choice for this layer and tokens per rank (the first bucket whose max_tokens
+    is at least num_tokens; beyond the last bucket, the last), or None without an entry."""
+    buckets = load_table().get(entry_key(shape, fmt, num_ranks))
+    if not buckets:
+        return None
+    for max_tokens, choice in buckets:
+        if num_tokens <= max_tokens:
+            return choice
+    return buckets[-1][1]
+
+
+# -- what a call runs -------------------------------------------------------------------------
+def _apply(base: Choice, env: dict, shape: MoEShape, num_tokens: Optional[int], num_ranks: int) -> Choice:
+    mainloop = env.get("mainloop", base.mainloop)
+    stages = env.get("stages", base.stages if mainloop != "ldg" else 4)
+    tile = env.get("tile", base.tile)
+    if tile == "auto":
+        tile = 32 if num_tokens is None else auto_tile(shape, num_tokens, num_ranks, mainloop)
+    if tile == 64 and mainloop not in WGMMA_MAINLOOPS:
+        tile = 32  # a table's 64 under an environment mainloop without wgmma
+    return Choice(mainloop, 4 if mainloop == "ldg" else stages, tile)
+
+
+def choose(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Choice:
+    """The build for a call with `num_tokens` on this rank."""
+    base = lookup(shape, fmt, num_ranks, num_tokens) or HEURISTIC
+    return _apply(base, env_overrides(), shape, num_tokens, num_ranks)
+
+
+def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
+    """Every build `choose` can return for this layer (any tokens per rank), the family's first."""
+    env = env_overrides()
+    bases = [c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])] or [HEURISTIC]
+    out = []
+    for base in bases:
+        tiles = (32, 64) if env.get("tile") == "auto" else (None,)
+        for tile in tiles:
+            override = dict(env, tile=tile) if tile is not None else env
+            c = _apply(base, override, shape, None, num_ranks)
+            if c not in out:
+                out.append(c)
+    return out
