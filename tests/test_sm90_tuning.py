@@ -120,3 +120,10 @@ def test_packaged_table_parses():
         pytest.skip("no packaged tuning table")
     import yaml
     tu.parse_table(yaml.safe_load(path.read_text()), str(path))
+
+
+def test_doctor_names_the_build_and_reports_bad_settings(clean_env):
+    from vllm_megamoe import doctor
+    assert doctor._sm90_build().startswith("8 tok/rank -> wgmma/4/32, 4096 tok/rank -> wgmma/4/32")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "12")
+    assert doctor._sm90_build().startswith("error: VLLM_MEGAMOE_SM90_STAGES='12'")

@@ -45,6 +45,17 @@ def _path(fmt: str, device) -> str:
     return f"{path}: {why}"
 
 
+def _sm90_build() -> str:
+    """The SM90 kernel build the V4-Flash-like probe layer would run at EP2 (decode / prefill)."""
+    from .kernels import sm90_tuning
+    try:
+        table = sm90_tuning.table_path()
+        picks = [f"{t} tok/rank -> {sm90_tuning.choose(PROBE_SHAPE, 'fp8-block', 2, t).label()}" for t in (8, 4096)]
+    except ValueError as exc:  # a bad setting or table: say which
+        return f"error: {exc}"
+    return f"{', '.join(picks)} (mainloop/stages/tile; table {table or 'none: heuristic'})"
+
+
 def collect() -> list[tuple[str, str]]:
     rows = [("python", platform.python_version()),
             ("torch", torch.__version__),
@@ -67,6 +78,7 @@ def collect() -> list[tuple[str, str]]:
     device = torch.device("cuda", 0) if n else torch.device("cpu")
     for fmt in ("fp8-block", "bf16"):
         rows.append((f"path ({fmt})", _path(fmt, device)))
+    rows.append(("SM90 build (fp8, EP2)", _sm90_build()))
     return rows
 
 
