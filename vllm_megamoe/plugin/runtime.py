@@ -154,6 +154,12 @@ def ensure_buffer() -> Optional[SymmBuffer]:
         "%s on %s: %.2f MiB for max_tokens_per_rank=%d, shape %s",
         buf.rank, buf.num_ranks, "+".join(p for p, _ in paths), len(STATE.layers), why,
         first.format, buf.backend, first.device, buf.layout.total_bytes / 2**20, tokens, shape)
+    if any(p == "sm90" for p, _ in paths):
+        from ..kernels import sm90_tuning
+        builds = sorted({c.label() for i in STATE.layers
+                         for c in sm90_tuning.choices(i.shape, first.format, buf.num_ranks)})
+        logger.info("megamoe: SM90 kernel builds (mainloop/stages/token tile) for these layers: %s; tuning "
+                    "table %s", ", ".join(builds), sm90_tuning.table_path() or "none (heuristic)")
     return buf
 
 
