@@ -99,21 +99,22 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
     Key("sm90_mainloop", _choice("ldg", "smem", "wgmma", "tma"), None,
-        "GEMM mainloop of the SM90 kernel: wgmma (default, swizzled cp.async stages + warpgroup "
-        "MMA), tma (the same stages filled by TMA), smem (padded stages + mma.sync) or ldg "
-        "(direct loads).", core_env=True),
+        "GEMM mainloop of the SM90 kernel, overriding the tuning table: wgmma (swizzled cp.async "
+        "stages + warpgroup MMA; the table's choice today), tma (the same stages filled by TMA), "
+        "smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
     Key("portable_scatter", _choice("torch", "triton"), None,
         "How the portable path's CUDA-graph (padded) mode writes combine rows: torch (index_put "
         "per peer) or triton (one kernel, live rows only, vector stores).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
-        "Rows per token block of the SM90 kernel's GEMM tasks: 32 (default), 64 (wgmma only; "
-        "streams each weight tile half as often in prefill) or auto (64 from 48 expected rows per "
-        "expert).", core_env=True),
+        "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
+        "(wgmma / tma only; streams each weight tile half as often in prefill) or auto (64 from 48 "
+        "expected rows per expert).", core_env=True),
     Key("sm90_tuning", _text, None,
         "YAML tuning table of the SM90 kernel (default: the packaged configs/sm90_mega_moe.yaml).",
         core_env=True),
     Key("sm90_stages", _positive_int, None,
-        "cp.async pipeline depth of the SM90 kernel's smem mainloop (default 4, 2-8).", core_env=True),
+        "Pipeline depth of the SM90 kernel's shared-memory mainloops (2-8; default from the tuning "
+        "table, else 4).", core_env=True),
 )}
 
 
