@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Device calls for the fused SM90 kernel on 2 H200s (nvidia-h200-x2), each under 10 minutes:
-#   STEP=verify  every kernel test of the default (wgmma) build, the main ones with 64-token tiles
-#                and with the TMA mainloop, then compute-sanitizer memcheck and racecheck
-#                (about 9-10 minutes: give it the whole call)
-#   STEP=probe   per-phase times of the default build and its variants (benchmarks/kernel_probe.py),
-#                with the smem fallback's main tests first
+#   STEP=verify  every kernel test of the default (wgmma) build, then compute-sanitizer memcheck
+#                and racecheck on a small case
+#   STEP=probe   the main tests of the 64-token, TMA and smem builds, then per-phase times of the
+#                builds side by side (benchmarks/kernel_probe.py); feed the JSON to
+#                `python -m benchmarks.tune_sm90` for configs/sm90_mega_moe.yaml
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
 #   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_SCATTER=triton: tests and timing
@@ -17,28 +17,28 @@ export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 T="-q -rs -p no:cacheprovider --tb=short"
 case "${STEP:-verify}" in
-  verify)
+  verify)   # ~8 min: every kernel test of the default build, then memcheck and racecheck
     timeout 240 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -4 "$OUT/kernel_tests.log"
-    VLLM_MEGAMOE_SM90_TOKEN_TILE=64 timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py \
-      -k "one_gpu or (multi_gpu and (v4 or qwen3)) or back_to_back" 2>&1 > "$OUT/tile64_tests.log"
-    tail -4 "$OUT/tile64_tests.log"
-    VLLM_MEGAMOE_SM90_MAINLOOP=tma timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py \
-      -k "one_gpu or (multi_gpu and (v4 or qwen3)) or back_to_back or cuda_graph" 2>&1 > "$OUT/tma_tests.log"
-    tail -4 "$OUT/tma_tests.log"
     for tool in memcheck racecheck; do
       timeout 110 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
         python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
       tail -4 "$OUT/$tool.log"
     done ;;
-  probe)
-    VLLM_MEGAMOE_SM90_MAINLOOP=smem timeout 90 python3 -m pytest $T -o timeout=80 tests/gpu/test_sm90_mega_moe.py \
-      -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" 2>&1 > "$OUT/smem_tests.log"
-    tail -4 "$OUT/smem_tests.log"
+  probe)    # ~9 min: main tests of the 64-token, TMA and smem builds, then per-phase probes
+    T0=$(date +%s); left() { echo $(( 560 - ($(date +%s) - T0) )); }
+    for build in "VLLM_MEGAMOE_SM90_TOKEN_TILE=64" "VLLM_MEGAMOE_SM90_MAINLOOP=tma" "VLLM_MEGAMOE_SM90_MAINLOOP=smem"; do
+      name=$(echo "$build" | tr '=' '_' | tr 'A-Z' 'a-z')
+      env "$build" timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py \
+        -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" 2>&1 > "$OUT/$name.log"
+      echo "$build: $(tail -1 "$OUT/$name.log")"
+    done
     timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 1024 8192 \
-      --variants ${VARIANTS:-default tile=64 mainloop=tma mainloop=tma,tile=64 mainloop=smem} --out "$OUT/probe_v4.json" 2>&1 | tail -12
-    timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes qwen3-30b-a3b deepseek-v3 \
-      --tokens 1 8 128 1024 8192 --out "$OUT/probe_shapes.json" 2>&1 | tail -12 ;;
+      --variants ${VARIANTS:-default tile=64 mainloop=tma mainloop=tma,tile=64 mainloop=smem} \
+      --out "$OUT/probe_v4.json" 2>&1 | tail -26
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
+      --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants default tile=64 \
+      --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
   bench)
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1
