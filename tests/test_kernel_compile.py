@@ -209,7 +209,8 @@ def test_error_record_phases_match_the_kernel():
     assert len(re.findall(r"kPhase\w+", enum)) == len(error_record.PHASES)
     kinds = dict(re.findall(r"(kError\w+) = (\d+)", re.search(r"enum ErrorKind[^}]*\}", sync).group(0)))
     assert {int(v) for v in kinds.values()} == {error_record.KIND_GRID_TIMEOUT, error_record.KIND_NVLINK_TIMEOUT,
-                                                 error_record.KIND_STAGING_FULL, error_record.KIND_BLOCK_TIMEOUT}
+                                                 error_record.KIND_STAGING_FULL, error_record.KIND_BLOCK_TIMEOUT,
+                                                 error_record.KIND_STAGE_TIMEOUT}
     assert all(error_record.describe([int(v), 0, 3, 5, 7, 2, 6, 0]) for v in kinds.values())
     assert "token block 7 has 2 of its 6 L1 tiles" in error_record.describe([4, 1, 3, 5, 7, 2, 6, 0])
     msg = error_record.describe([2, 0, 1, 0, 1, 1, 2, 0])

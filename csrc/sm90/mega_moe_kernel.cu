@@ -50,7 +50,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   mark_phase(p, kMarkL1Start);
 
   const u32 blocks = table.block_start[kNumLocalExperts];
-  MainloopState l1_state{0, false};
+  MainloopState l1_state{0, false, kPhaseL1};
   for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
     l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, task + num_ctas, blocks * kL1Tiles);
   mark_phase(p, kMarkL1Done);
@@ -58,7 +58,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flag;
-  MainloopState l2_state{l1_state.seq, false};  // stage sequence numbers carry on (TMA barrier parity)
+  MainloopState l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
     l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, task + num_ctas, blocks * kL2Tiles,
             &l2_ready_flag);

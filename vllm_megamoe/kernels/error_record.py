@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # Same order as enum Phase in csrc/sm90/mega/sync.cuh (tests/test_kernel_compile.py checks it).
 PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull (grid sync)", "L1 -> L2 (token block ready)",
           "L2 / combine (NVLink barrier)", "combine reduce")
-KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT = 1, 2, 3, 4
+KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT = 1, 2, 3, 4, 5
 RECORD_INTS = 8
 
 _records: dict[int, torch.Tensor] = {}
@@ -46,6 +46,10 @@ def describe(values: list[int]) -> Optional[str]:
         return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: token block {a} has {b} of its {c} L1 "
                 "tiles after the timeout; were all CTAs resident? Lower VLLM_MEGAMOE_NUM_SMS if other "
                 "kernels occupy SMs.")
+    if kind == KIND_STAGE_TIMEOUT:
+        return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: TMA stage {a} (use {b}) never landed; "
+                "a copy that does not complete is a kernel bug: please report it with this line, and run "
+                "with VLLM_MEGAMOE_SM90_MAINLOOP=wgmma meanwhile.")
     if kind == KIND_STAGING_FULL:
         return (f"megamoe: rank {rank} received {a} rows but staging holds {b}; build the SymmBuffer "
                 "without ring_rows or with more of them.")
@@ -71,7 +75,7 @@ def raise_if_set(device: torch.device) -> None:
     message = report(device)
     if message is not None:
         kind = int(_records[torch.device(device).index or 0][0])
-        timeouts = (KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_BLOCK_TIMEOUT)
+        timeouts = (KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT)
         raise (BarrierTimeoutError if kind in timeouts else MegaMoEError)(message)
 
 

@@ -29,11 +29,11 @@ MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32
 // `next`: the CTA's next task of this phase or nullptr (the smem mainloop streams into it).
 template <u32 K>
 MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState& st, const TaskOperands& op,
-                              const TaskOperands* next) {
+                              const TaskOperands* next, const Params& p) {
 #if MEGAMOE_SMEM_MAINLOOP
-  cta_gemm<K>(acc, *sm, st, op, next);
+  cta_gemm<K>(acc, *sm, st, op, next, p);
 #else
-  (void)sm, (void)st, (void)next;
+  (void)sm, (void)st, (void)next, (void)p;
   constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
   const u8* a_rows = op.a + (threadIdx.x / 32) * 32 * kPitch;
   const u8* tok_rows[4];
@@ -101,9 +101,9 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
     const TaskOperands next = l1_operands(table, p, me, maps, next_task / kTiles, next_task % kTiles);
-    task_gemm<kHidden>(acc, mainloop, st, op, &next);
+    task_gemm<kHidden>(acc, mainloop, st, op, &next, p);
   } else {
-    task_gemm<kHidden>(acc, mainloop, st, op, nullptr);
+    task_gemm<kHidden>(acc, mainloop, st, op, nullptr, p);
   }
 
   // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel.
@@ -194,9 +194,9 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
     const TaskOperands next = l2_operands(table, p, me, maps, next_task / kTiles, next_task % kTiles);
-    task_gemm<kInter>(acc, mainloop, st, op, &next);
+    task_gemm<kInter>(acc, mainloop, st, op, &next, p);
   } else {
-    task_gemm<kInter>(acc, mainloop, st, op, nullptr);
+    task_gemm<kInter>(acc, mainloop, st, op, nullptr, p);
   }
   u16* tile = reinterpret_cast<u16*>(smem.tile);  // [32 tokens][256 channels] bf16
 #pragma unroll

@@ -18,6 +18,7 @@
 #include "../wgmma.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
+#include "sync.cuh"
 
 #ifndef MEGAMOE_MAINLOOP_STAGES
 #define MEGAMOE_MAINLOOP_STAGES 4
@@ -94,7 +95,22 @@ MEGAMOE_DEVICE u32 lds_u32(const u8* p) { return *reinterpret_cast<const u32*>(p
 struct MainloopState {
   u32 seq;
   bool prefetched;
+  int phase;  // for a stage-wait timeout report (kPhaseL1 / kPhaseL2)
 };
+
+#if MEGAMOE_SMEM_MAINLOOP == 3
+// Waits for a TMA stage with the call's deadline; a copy that never lands is reported (rank,
+// phase, stage, use) through the error record and traps instead of hanging.
+MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase) {
+  if (mbarrier_try_wait(bar, use & 1)) return;
+  const Deadline deadline{global_timer_ns(), p.timeout_ns};
+  while (!mbarrier_try_wait(bar, use & 1)) {
+    if (deadline.expired())
+      report_and_trap(p.error_record, kErrorStageTimeout, p.rank, phase, static_cast<int>(stage),
+                      static_cast<int>(use), 0);
+  }
+}
+#endif
 
 // Byte offset of 16-byte segment `seg` of staged row `row` within a stage.
 MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
@@ -273,7 +289,7 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& 
 // between tasks (the epilogue runs while they are in flight).
 template <u32 K>
 MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, const TaskOperands& cur,
-                             const TaskOperands* next) {
+                             const TaskOperands* next, const Params& p) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
   static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
@@ -290,7 +306,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
   if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
   for (u32 c = 0; c < kChunks; ++c) {
 #if MEGAMOE_SMEM_MAINLOOP == 3
-    mbarrier_wait(&sm.full[(st.seq + c) % S], ((st.seq + c) / S) & 1, 0);
+    wait_stage(&sm.full[(st.seq + c) % S], (st.seq + c) % S, (st.seq + c) / S, p, st.phase);
 #else
     cp_async_wait<S - 2>();
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma

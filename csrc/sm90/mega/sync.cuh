@@ -53,7 +53,9 @@ MEGAMOE_DEVICE const char* phase_name(int phase) {
 // What went wrong, written into host-mapped memory the host can read after the trap (device
 // printf output is not guaranteed to reach the host when a kernel traps). Layout, shared with
 // vllm_megamoe/kernels/error_record.py: {kind, rank, phase, cta, a, b, c, 0}.
-enum ErrorKind : int { kErrorGridTimeout = 1, kErrorNvlinkTimeout = 2, kErrorStagingFull = 3, kErrorBlockTimeout = 4 };
+enum ErrorKind : int {
+  kErrorGridTimeout = 1, kErrorNvlinkTimeout = 2, kErrorStagingFull = 3, kErrorBlockTimeout = 4, kErrorStageTimeout = 5
+};
 
 MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, int a, int b, int c) {
   if (record != nullptr && atomicCAS(record, 0, kind) == 0) {
