@@ -21,22 +21,10 @@ GIB = 1 << 30
 
 
 def _median_ms(fn, iters: int, warmup: int = 2, between=None) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if between is not None:
-            between()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median CUDA-event time (ms) of fn; between() runs untimed before each call (a rank barrier)."""
+    from benchmarks.timing import time_events
+    before = None if between is None else (lambda _i: between())
+    return statistics.median(time_events(fn, iters, warmup, before))
 
 
 def copy_bandwidth(nbytes: int = GIB, iters: int = 10) -> float:
