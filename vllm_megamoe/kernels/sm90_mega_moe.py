@@ -91,9 +91,17 @@ def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
 
 def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = None) -> jit.KernelSpec:
     """The compiled build of `choice` (default: the layer's first, sm90_tuning.choices) for
-    `shape` on `buffer`."""
+    `shape` on `buffer` (cached on the buffer: the op asks for it on every call)."""
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
+    cache = buffer.__dict__.setdefault("_sm90_specs", {})
+    if (shape, choice) not in cache:
+        cache[(shape, choice)] = _make_spec(shape, buffer, choice)
+    return cache[(shape, choice)]
+
+
+def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice) -> jit.KernelSpec:
+    fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
@@ -140,28 +148,23 @@ def _grid_size_for(device_index: int, spec: jit.KernelSpec, num_sms: Optional[st
     return wanted
 
 
-def _align_ranks_after_compile(buffer: SymmBuffer, spec: jit.KernelSpec) -> None:
-    """First launch of a kernel family: wait (on the host) until every rank has it compiled, so
-    compile-time skew between ranks is not spent inside the kernel's barrier timeout. `spec` names
-    the family (its first tile choice): ranks may pick different tiles per call (their token counts
-    differ), so every choice is compiled before this one collective."""
-    seen = buffer.__dict__.setdefault("_sm90_ready", set())
-    if spec in seen:
+def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
+    """Compile (or load from the disk cache) every build a call of `shape` on `buffer` may run
+    (sm90_tuning.choices) and wait until every rank of the buffer's group has them: a collective,
+    like the first call of mega_moe, which does the same. The wait keeps compile-time skew between
+    ranks out of the kernel's barrier timeout; all builds come first because ranks with different
+    token counts may pick different ones. Call it on every rank before capturing a CUDA graph."""
+    choices = tuple(sm90_tuning.choices(shape, buffer.layout.format, buffer.layout.num_ranks))
+    loaded = buffer.__dict__.setdefault("_sm90_loaded", set())
+    if (shape, choices) in loaded:
         return
+    for choice in choices:
+        jit.get_kernel(kernel_spec(shape, buffer, choice), buffer.device.index or 0)
     if buffer.group is not None and buffer.num_ranks > 1:
         require(not torch.cuda.is_current_stream_capturing(),
                 "warm up the SM90 mega kernel (one call per shape) before capturing a CUDA graph")
         torch.distributed.barrier(group=buffer.group)
-    seen.add(spec)
-
-
-def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
-    """Compile (or load from the disk cache) the kernel variant of `shape` on `buffer` and wait
-    until every rank of the buffer's group has it: a collective, like the first call of
-    mega_moe, which does the same. Call it on every rank before capturing a CUDA graph."""
-    for choice in sm90_tuning.choices(shape, buffer.layout.format, buffer.layout.num_ranks):
-        jit.get_kernel(kernel_spec(shape, buffer, choice), buffer.device.index or 0)
-    _align_ranks_after_compile(buffer, kernel_spec(shape, buffer))
+    loaded.add((shape, choices))
 
 
 def grid_size(shape: MoEShape, buffer: SymmBuffer) -> int:
@@ -203,9 +206,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if y is None:
         y = torch.empty(t, shape.hidden, dtype=torch.bfloat16, device=x.device)
     check_tensor("y", y, dtype=torch.bfloat16, shape=(t, shape.hidden), contiguous=True)
-    family = kernel_spec(shape, buffer)
-    if family not in buffer.__dict__.get("_sm90_ready", ()):
-        load_kernel(shape, buffer)  # every tile choice compiled, then one collective
+    load_kernel(shape, buffer)  # once per shape and set of builds: compile all, then one collective
     choice = sm90_tuning.choose(shape, buffer.layout.format, buffer.num_ranks, t)
     spec = kernel_spec(shape, buffer, choice)
     dev = x.device.index

@@ -5,7 +5,8 @@ Three sources, strongest first:
    VLLM_MEGAMOE_SM90_STAGES, VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64 or auto);
 2. the tuning table, configs/sm90_mega_moe.yaml (shipped inside the package; another file with
    VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
-   bucket of tokens per rank, written by `python -m benchmarks.tune_sm90` from kernel_probe runs;
+   bucket of tokens per rank, written by `python -m benchmarks.tune_sm90` from kernel_probe runs
+   (read once per process: the op consults it on every call);
 3. the heuristic: wgmma, 4 stages, 32-token tiles (what the last measurements favour everywhere).
 Ranks with different token counts may pick different builds in one call: the protocol between
 ranks does not depend on the build, and every build a layer may use is compiled before the first
@@ -83,7 +84,11 @@ def auto_tile(shape: MoEShape, num_tokens: int, num_ranks: int, mainloop: str) -
 # -- the table --------------------------------------------------------------------------------
 def table_path() -> Optional[Path]:
     """VLLM_MEGAMOE_SM90_TUNING, else the packaged table, else the repository's configs/."""
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_TUNING")
+    return _table_path_for(os.environ.get("VLLM_MEGAMOE_SM90_TUNING"))
+
+
+@functools.lru_cache(maxsize=None)
+def _table_path_for(raw: Optional[str]) -> Optional[Path]:  # once per setting: the op asks on every call
     if raw:
         path = Path(raw)
         require(path.is_file(), f"VLLM_MEGAMOE_SM90_TUNING={raw!r} is not a file")
@@ -121,15 +126,16 @@ def parse_table(doc: dict, where: str = "the tuning table") -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str, mtime: float) -> dict:
+def _load(path: str) -> dict:
     import yaml
     with open(path) as f:
         return parse_table(yaml.safe_load(f), path)
 
 
 def load_table() -> dict:
+    """The table in effect, read once per path (edits take effect in a new process)."""
     path = table_path()
-    return {} if path is None else _load(str(path), path.stat().st_mtime)
+    return {} if path is None else _load(str(path))
 
 
 def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[Choice]:
