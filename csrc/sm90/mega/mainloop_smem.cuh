@@ -187,24 +187,31 @@ struct Select { using type = A; };
 template <class A, class B>
 struct Select<false, A, B> { using type = B; };
 
+using ChunkMma = typename Select<kFP8, WgmmaFp8E4M3<kTileTokens>, WgmmaBf16<kTileTokens>>::type;
+constexpr u32 kAccum = kTileTokens / 2;  // m64nN: N/2 accumulators per thread
+
+// Issues the 4 k-steps (32 bytes of K each) of one m64nN wgmma over a staged chunk; the caller
+// fences, commits and waits.
+MEGAMOE_DEVICE void wgmma_k_steps(u64 desc_a, u64 desc_b, float (&d)[kAccum], bool accumulate) {
+  constexpr u32 kDescStep = 32 / 16;  // descriptors count 16-byte units
+#pragma unroll
+  for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
+    ChunkMma::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, d, accumulate || kk > 0);
+}
+
+MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt) {
+  return make_smem_desc_k_major_sw128(sm.a[stage] + ((threadIdx.x / 128) * 128 + mt * 64) * kStagedRow);
+}
+
 MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, bool accumulate) {
-  using Mma = typename Select<kFP8, WgmmaFp8E4M3<kTileTokens>, WgmmaBf16<kTileTokens>>::type;
-  constexpr u32 kDescStep = 32 / 16;  // 32 bytes of K per k-step, descriptors count 16-byte units
-  const u32 wg = threadIdx.x / 128;
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
-  const u64 desc_a0 = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128) * kStagedRow);
-  const u64 desc_a1 = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128 + 64) * kStagedRow);
-  constexpr u32 kAccum = kTileTokens / 2;  // m64nN: N/2 accumulators per thread
   float(&d0)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&part.v[0][0][0]);
   float(&d1)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&part.v[1][0][0]);
   fence_accumulators(d0);
   fence_accumulators(d1);
   wgmma_fence();
-#pragma unroll
-  for (u32 kk = 0; kk < kChunkBytes / 32; ++kk) {
-    Mma::mma(desc_a0 + kDescStep * kk, desc_b + kDescStep * kk, d0, accumulate || kk > 0);
-    Mma::mma(desc_a1 + kDescStep * kk, desc_b + kDescStep * kk, d1, accumulate || kk > 0);
-  }
+  wgmma_k_steps(stage_desc_a(sm, stage, 0), desc_b, d0, accumulate);
+  wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, d1, accumulate);
   wgmma_commit_group();
   fence_accumulators(d0);
   fence_accumulators(d1);
@@ -232,54 +239,43 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
 }
 
 // acc += part x weight scale x token scale for 128-K block kb, scales read from shared memory.
-MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const MainloopSmem& sm, u32 kb, u32 ntiles) {
+// acc_mt += part_mt x weight scale x token scale for 128-K block kb, one m16 tile row group
+// (acc.v[mt] / the same layout of an m64nN partial), scales read from shared memory.
+MEGAMOE_DEVICE void promote_tile_smem(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const MainloopSmem& sm,
+                                      u32 kb, u32 ntiles) {
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
   const float w_lo = sm.w_scale[warp][0][kb], w_hi = sm.w_scale[warp][1][kb];
 #pragma unroll
   for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt) {
     if (nt >= ntiles) break;
     const float t0 = sm.tok_scale[nt * 8 + 2 * t4][kb], t1 = sm.tok_scale[nt * 8 + 2 * t4 + 1][kb];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      acc.v[mt][nt][0] += part.v[mt][nt][0] * w_lo * t0;
-      acc.v[mt][nt][1] += part.v[mt][nt][1] * w_lo * t1;
-      acc.v[mt][nt][2] += part.v[mt][nt][2] * w_hi * t0;
-      acc.v[mt][nt][3] += part.v[mt][nt][3] * w_hi * t1;
-    }
+    acc_mt[nt][0] += part_mt[nt * 4 + 0] * w_lo * t0;
+    acc_mt[nt][1] += part_mt[nt * 4 + 1] * w_lo * t1;
+    acc_mt[nt][2] += part_mt[nt * 4 + 2] * w_hi * t0;
+    acc_mt[nt][3] += part_mt[nt * 4 + 3] * w_hi * t1;
   }
+}
+
+MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const MainloopSmem& sm, u32 kb, u32 ntiles) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) promote_tile_smem(acc.v[mt], &part.v[mt][0][0], sm, kb, ntiles);
 }
 
 // FP8 with 64-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
 // once, so one partial accumulator (32 floats) is live instead of two (register pressure).
 MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb, u32 ntiles) {
-  using Mma = typename Select<kFP8, WgmmaFp8E4M3<kTileTokens>, WgmmaBf16<kTileTokens>>::type;
-  constexpr u32 kAccum = kTileTokens / 2;
-  constexpr u32 kDescStep = 32 / 16;
-  const u32 warp = threadIdx.x / 32, wg = warp / 4, t4 = threadIdx.x % 4;
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
-  const float w_lo = sm.w_scale[warp][0][kb], w_hi = sm.w_scale[warp][1][kb];
 #pragma unroll
   for (u32 mt = 0; mt < 2; ++mt) {
     float part[kAccum];
-    const u64 desc_a = make_smem_desc_k_major_sw128(sm.a[stage] + (wg * 128 + mt * 64) * kStagedRow);
     fence_accumulators(part);
     wgmma_fence();
-#pragma unroll
-    for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
-      Mma::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, part, kk > 0);
+    wgmma_k_steps(stage_desc_a(sm, stage, mt), desc_b, part, false);
     wgmma_commit_group();
     fence_accumulators(part);
     wgmma_wait_group<0>();
     fence_accumulators(part);
-#pragma unroll
-    for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt) {
-      if (nt >= ntiles) break;
-      const float t0 = sm.tok_scale[nt * 8 + 2 * t4][kb], t1 = sm.tok_scale[nt * 8 + 2 * t4 + 1][kb];
-      acc.v[mt][nt][0] += part[nt * 4 + 0] * w_lo * t0;
-      acc.v[mt][nt][1] += part[nt * 4 + 1] * w_lo * t1;
-      acc.v[mt][nt][2] += part[nt * 4 + 2] * w_hi * t0;
-      acc.v[mt][nt][3] += part[nt * 4 + 3] * w_hi * t1;
-    }
+    promote_tile_smem(acc.v[mt], part, sm, kb, ntiles);
   }
 }
 
