@@ -200,13 +200,21 @@ def text_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rows_by_case(rows: list[dict], paths: Iterable[str]) -> dict[tuple, dict]:
+    """{case_key: {path: row}} of the rows of `paths`, in sorted case order."""
+    wanted = set(paths)
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        if r["path"] in wanted:
+            cases.setdefault(case_key(r), {})[r["path"]] = r
+    return cases
+
+
 def markdown_table(rows: list[dict], paths: Optional[Iterable[str]] = None) -> str:
     """One line per case: each path's end-to-end time, fraction of roofline and speed-up."""
     rows = [r for r in sorted_rows(rows) if not r.get("error")]
     wanted = list(paths) if paths else [p for p in PATH_ORDER if any(r["path"] == p for r in rows)]
-    cases: dict[tuple, dict] = {}
-    for r in rows:
-        cases.setdefault(case_key(r), {})[r["path"]] = r
+    cases = rows_by_case(rows, {r["path"] for r in rows})
     head = ["shape (H/I/E/top-k)", "format", "routing", "tokens/rank", "roofline us (bound)"]
     for p in wanted:
         head += [f"{p} us", f"{p} frac"] + ([f"{p} x chain"] if p != "chain" else [])
@@ -235,10 +243,7 @@ def kernel_table(rows: list[dict], paths: Iterable[str] = ("megamoe", "sglang"))
     wanted = [p for p in paths if any(r["path"] == p for r in rows)]
     if not wanted:
         return ""
-    cases: dict[tuple, dict] = {}
-    for r in rows:
-        if r["path"] in wanted:
-            cases.setdefault(case_key(r), {})[r["path"]] = r
+    cases = rows_by_case(rows, wanted)
     first = wanted[0]
     head = ["shape", "format", "routing", "tokens/rank", "roofline us"]
     for p in wanted:
