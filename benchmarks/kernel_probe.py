@@ -209,9 +209,11 @@ def main(argv=None) -> int:
     print(table(rows), flush=True)
     if args.out:
         import torch
+
+        from benchmarks.bench import commit_id
         with open(args.out, "w") as f:
             json.dump(dict(env=dict(gpu=torch.cuda.get_device_name(0), gpus=args.gpus, torch=torch.__version__,
-                                    commit=os.environ.get("MEGAMOE_COMMIT", "")), rows=rows), f, indent=1)
+                                    commit=commit_id()), rows=rows), f, indent=1)
     return 0
 
 
