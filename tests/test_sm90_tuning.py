@@ -30,8 +30,15 @@ def _table(tmp_path, buckets, ranks=2, fmt="fp8-block"):
 
 
 def test_heuristic_without_table_or_environment(clean_env):
-    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("wgmma", 4, 32)
-    assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 4, 32)]
+    # TMA stages; 64-token tiles from 48 expected rows per local expert (1024 x 2 x 6 / 256).
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 4, 32)
+    assert tu.choose(V4, "fp8-block", 2, 1023) == Choice("tma", 4, 32)
+    assert tu.choose(V4, "fp8-block", 2, 1024) == Choice("tma", 4, 64)
+    assert tu.choose(V4, "bf16", 1, 2048) == Choice("tma", 4, 64)
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")  # a fixed tile replaces the heuristic's auto
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 32)
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32)]
 
 
 def test_table_buckets_pick_by_tokens_per_rank(clean_env, tmp_path):
@@ -42,8 +49,8 @@ def test_table_buckets_pick_by_tokens_per_rank(clean_env, tmp_path):
     assert tu.choose(V4, "fp8-block", 2, 512) == Choice("wgmma", 5, 32)
     assert tu.choose(V4, "fp8-block", 2, 513) == Choice("tma", 4, 64)
     assert tu.choose(V4, "fp8-block", 2, 9000) == Choice("tma", 4, 64)  # past the last bucket
-    assert tu.choose(V4, "fp8-block", 4, 8) == Choice()                 # other EP size: heuristic
-    assert tu.choose(V4, "bf16", 2, 8) == Choice()
+    assert tu.choose(V4, "fp8-block", 4, 8) == Choice("tma", 4, 32)     # other EP size: heuristic
+    assert tu.choose(V4, "bf16", 2, 8) == Choice("tma", 4, 32)
     assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 5, 32), Choice("tma", 4, 64)]
 
 
@@ -60,7 +67,9 @@ def test_auto_tile_follows_rows_per_expert(clean_env):
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "auto")
     # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.
     assert tu.choose(V4, "fp8-block", 2, 1024).tile == 64 and tu.choose(V4, "fp8-block", 2, 1023).tile == 32
-    assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 4, 32), Choice("wgmma", 4, 64)]
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
+    assert tu.choose(V4, "fp8-block", 2, 1024) == Choice("wgmma", 4, 64)
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")  # auto never picks 64 without wgmma
     assert tu.choose(V4, "fp8-block", 2, 8192).tile == 32
     assert tu.choices(V4, "fp8-block", 2) == [Choice("smem", 4, 32)]
@@ -124,6 +133,6 @@ def test_packaged_table_parses():
 
 def test_doctor_names_the_build_and_reports_bad_settings(clean_env):
     from vllm_megamoe import doctor
-    assert doctor._sm90_build().startswith("8 tok/rank -> wgmma/4/32, 4096 tok/rank -> wgmma/4/32")
+    assert doctor._sm90_build().startswith("8 tok/rank -> tma/4/32, 4096 tok/rank -> tma/4/64")
     clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "12")
     assert doctor._sm90_build().startswith("error: VLLM_MEGAMOE_SM90_STAGES='12'")

@@ -7,7 +7,9 @@ Three sources, strongest first:
    VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
    bucket of tokens per rank, written by `python -m benchmarks.tune_sm90` from kernel_probe runs
    (read once per process: the op consults it on every call);
-3. the heuristic: wgmma, 4 stages, 32-token tiles (what the last measurements favour everywhere).
+3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
+   probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
+   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32.
 Ranks with different token counts may pick different builds in one call: the protocol between
 ranks does not depend on the build, and every build a layer may use is compiled before the first
 call's rank alignment (`choices`).
@@ -47,7 +49,7 @@ class Choice:
         return f"{self.mainloop}/{self.stages}/{self.tile}"
 
 
-HEURISTIC = Choice()
+HEURISTIC = Choice("tma", 4, 32)  # its tile is chosen per call (auto_tile)
 
 
 # -- environment ------------------------------------------------------------------------------
@@ -164,14 +166,19 @@ def _apply(base: Choice, env: dict, shape: MoEShape, num_tokens: Optional[int], 
 
 def choose(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Choice:
     """The build for a call with `num_tokens` on this rank."""
-    base = lookup(shape, fmt, num_ranks, num_tokens) or HEURISTIC
-    return _apply(base, env_overrides(), shape, num_tokens, num_ranks)
+    env = env_overrides()
+    base = lookup(shape, fmt, num_ranks, num_tokens)
+    if base is None:
+        base, env = HEURISTIC, dict({"tile": "auto"}, **env)
+    return _apply(base, env, shape, num_tokens, num_ranks)
 
 
 def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     """Every build `choose` can return for this layer (any tokens per rank), the family's first."""
     env = env_overrides()
-    bases = [c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])] or [HEURISTIC]
+    bases = [c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])]
+    if not bases:
+        bases, env = [HEURISTIC], dict({"tile": "auto"}, **env)
     out = []
     for base in bases:
         tiles = (32, 64) if env.get("tile") == "auto" else (None,)

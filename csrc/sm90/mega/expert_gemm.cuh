@@ -12,6 +12,7 @@
 #include "mainloop_smem.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
+#include "task_order.cuh"
 
 namespace megamoe::mega {
 
@@ -89,18 +90,20 @@ struct EpilogueSmem {
   alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [tokens][128] fp8/bf16; L2: [tokens][256] bf16
 };
 
-// task / next_task: index into (token block, tile) of this phase; next_task >= num_tasks: none.
+// task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
                             u32 num_tasks) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
-  const u32 wt = task % kTiles;
-  const TaskOperands op = l1_operands(table, p, me, maps, task / kTiles, wt);
+  const TaskCoord at = task_coord<kTiles>(table, task);
+  const u32 wt = at.tile;
+  const TaskOperands op = l1_operands(table, p, me, maps, at.block, wt);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
-    const TaskOperands next = l1_operands(table, p, me, maps, next_task / kTiles, next_task % kTiles);
+    const TaskCoord next_at = task_coord<kTiles>(table, next_task);
+    const TaskOperands next = l1_operands(table, p, me, maps, next_at.block, next_at.tile);
     task_gemm<kHidden>(acc, mainloop, st, op, &next, p);
   } else {
     task_gemm<kHidden>(acc, mainloop, st, op, nullptr, p);
@@ -176,7 +179,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(smem.tile)[c];
   }
   __syncthreads();
-  publish_l1_tile(me, task / kTiles);
+  publish_l1_tile(me, at.block);
 }
 
 // ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
@@ -185,15 +188,17 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
                             u32 num_tasks, u32* ready_flag) {
   constexpr u32 kTiles = kHidden / kTileRows;
-  const u32 ht = task % kTiles;
-  const TaskOperands op = l2_operands(table, p, me, maps, task / kTiles, ht);
+  const TaskCoord at = task_coord<kTiles>(table, task);
+  const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0};
+  const u32 ht = at.tile;
+  const TaskOperands op = l2_operands(table, p, me, maps, at.block, ht);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const bool next_ready =
-      wait_l1_block(p, me, task / kTiles, next_task < num_tasks ? next_task / kTiles : ~0u, ready_flag);
+      wait_l1_block(p, me, at.block, next_at.block, ready_flag);
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
-    const TaskOperands next = l2_operands(table, p, me, maps, next_task / kTiles, next_task % kTiles);
+    const TaskOperands next = l2_operands(table, p, me, maps, next_at.block, next_at.tile);
     task_gemm<kInter>(acc, mainloop, st, op, &next, p);
   } else {
     task_gemm<kInter>(acc, mainloop, st, op, nullptr, p);
