@@ -144,7 +144,16 @@ def test_cuda_buffer_refuses_ranks_without_peer_access(monkeypatch):
 
 def test_portable_scatter_setting_is_checked(monkeypatch):
     from vllm_megamoe import portable_combine
+    for have_triton, auto in ((True, "triton"), (False, "torch")):
+        monkeypatch.setattr(portable_combine, "triton_available", lambda: have_triton)
+        monkeypatch.delenv("VLLM_MEGAMOE_PORTABLE_SCATTER", raising=False)
+        assert portable_combine.scatter_setting() == auto
+        monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "torch")
+        assert portable_combine.scatter_setting() == "torch"
     monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "triton")
+    with pytest.raises(ValueError, match="needs the triton package"):
+        portable_combine.scatter_setting()
+    monkeypatch.setattr(portable_combine, "triton_available", lambda: True)
     assert portable_combine.scatter_setting() == "triton"
     monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "nccl")
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_SCATTER='nccl' must be one of"):

@@ -99,12 +99,14 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
     Key("sm90_mainloop", _choice("ldg", "smem", "wgmma", "tma"), None,
-        "GEMM mainloop of the SM90 kernel, overriding the tuning table: wgmma (swizzled cp.async "
-        "stages + warpgroup MMA; the table's choice today), tma (the same stages filled by TMA), "
+        "GEMM mainloop of the SM90 kernel, overriding the tuning table: tma (swizzled stages filled "
+        "by TMA + warpgroup MMA; the table's and the heuristic's choice), wgmma (the same stages "
+        "filled with cp.async), "
         "smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
-    Key("portable_scatter", _choice("torch", "triton"), None,
-        "How the portable path's CUDA-graph (padded) mode writes combine rows: torch (index_put "
-        "per peer) or triton (one kernel, live rows only, vector stores).", core_env=True),
+    Key("portable_scatter", _choice("auto", "torch", "triton"), None,
+        "How the portable path's CUDA-graph (padded) mode writes combine rows: triton (one kernel, "
+        "live rows only, vector stores), torch (index_put per peer) or auto (triton when it "
+        "imports; the default).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
         "(wgmma / tma only; streams each weight tile half as often in prefill) or auto (64 from 48 "
