@@ -8,6 +8,10 @@
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
 #   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_SCATTER=triton: tests and timing
+#   STEP=final   within BUDGET s (default 540): every kernel test of the default builds, the benchmark
+#                (FP8 + BF16, 1-8192 tokens per rank with 4096, SGLang: carry .whl, set MEGAMOE_COMMIT),
+#                then, if time is left, a probe of 5 TMA stages at decode and the portable path's
+#                one-GPU CUDA-graph tests
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
 #                about the per-rank expert load of 8-16 tokens per rank at EP2)
 # Usage: STEP=verify bash scripts/device_next_session.sh   (results in $OUT)
@@ -50,11 +54,24 @@ case "${STEP:-verify}" in
       VLLM_MEGAMOE_PORTABLE_SCATTER=$s timeout 150 python3 -m benchmarks.first_kernel_timing --gpus 2 \
         --shapes deepseek-v3 v4-flash --tokens 8 128 --out "$OUT/portable_$s.json" 2>&1 | tail -6
     done ;;
+  final)
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
+    timeout 300 python3 -m pytest $T --durations=6 -o timeout=280 tests/gpu/test_sm90_mega_moe.py > "$OUT/kernel_tests.log" 2>&1
+    grep -E "passed|failed|error" "$OUT/kernel_tests.log" | tail -3
+    L=$(left); echo "== $L s left for the benchmark"
+    FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 4096 8192" SHAPE_TIMEOUT=110 SHAPE_BUDGET=80 \
+      DEADLINE=$(( L > 130 ? L - 70 : 60 )) bash scripts/device_bench.sh > /dev/null 2>&1
+    grep -E "^== " "$OUT/bench.log"
+    L=$(left); echo "== $L s left for the probe"
+    [ "$L" -gt 75 ] && timeout $(( L - 35 )) python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 \
+      --tokens 8 128 --variants mainloop=tma mainloop=tma,stages=5 --iters 10 --out "$OUT/probe_stages.json" 2>&1 | tail -5
+    L=$(left)
+    [ "$L" -gt 30 ] && timeout $(( L - 3 )) python3 -m pytest $T tests/test_portable_gpu.py -k cuda_graph_one_gpu 2>&1 | tail -2 ;;
   ncu)      # Nsight Compute on one launch of the default build (one GPU, V4-Flash-like, TOKENS per rank)
     timeout 300 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
       python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash --tokens ${TOKENS:-64} --iters 3 \
       > "$OUT/ncu.txt" 2>&1
     grep -E "Throughput|Duration|Stall|Issued|Bandwidth|Hit Rate" "$OUT/ncu.txt" | head -60 ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench, portable or ncu"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable or ncu"; exit 2 ;;
 esac
