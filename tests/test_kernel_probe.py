@@ -38,21 +38,18 @@ def test_merge_takes_the_slowest_rank():
     assert "rank" not in m and "graph us" in kp.table(merged)
 
 
-def test_performance_doc_probe_table_is_generated_from_the_json():
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "performance.md")) as f:
-        text = f.read()
-    start = text.index("<!-- probe-versus-table (generated; do not edit) -->\n")
-    body = text[start:text.index("<!-- probe-versus-table:end -->")].split("\n", 1)[1].strip()
-    results = os.path.join(root, "benchmarks", "results")
-    cwd = os.getcwd()
-    os.chdir(root)  # the tables name files relative to the repository
-    try:
-        bench = os.path.join("benchmarks", "results", "bench_ep2.json")
-        want = kp.versus(os.path.join("benchmarks", "results", "probe_v4.json"), bench) + "\n" + "\n".join(
-            kp.versus(os.path.join("benchmarks", "results", "probe_shapes.json"), bench).splitlines()[-10:])
-    finally:
-        os.chdir(cwd)
-    assert os.path.isdir(results)
-    assert body == want.strip(), "docs/performance.md is stale: regenerate with benchmarks.kernel_probe --report --versus"
+def test_versus_puts_the_probe_default_next_to_the_benchmark_paths(tmp_path):
+    import json
+    probe = {"env": {"commit": "abc"}, "rows": [
+        dict(shape="v4-flash", tokens_per_rank=8, variant="default", graph_us=200.0),
+        dict(shape="v4-flash", tokens_per_rank=8, variant="tile=64", graph_us=100.0)]}  # not the default: left out
+    bench_rows = [dict(shape="v4-flash", tokens_per_rank=8, routing="uniform", format="fp8-block", path=p, e2e_us=us,
+                       kernel_us=us - 10, roofline={"roofline_us": 150.0})
+                  for p, us in (("sglang", 300.0), ("portable", 500.0), ("chain", 2000.0))]
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    (tmp_path / "bench.json").write_text(json.dumps({"env": {"commit": "def"}, "rows": bench_rows}))
+    lines = kp.versus(str(tmp_path / "probe.json"), str(tmp_path / "bench.json")).splitlines()
+    assert "commit `abc`" in lines[0] and "commit `def`" in lines[0]
+    (row,) = [line for line in lines if line.startswith("| v4-flash")]
+    # roofline 150, ours 200 (frac 0.75), sglang 300 [290] -> 1.50x, portable 500, chain 2000 -> 10x
+    assert row == "| v4-flash | 8 | 150 | 200 | 0.75 | 300 [290] | 1.50 | 500 | 2000 | 10.00 |"
