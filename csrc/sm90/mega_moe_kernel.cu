@@ -44,7 +44,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   pull_rows(table, p, me);
   mark_phase(p, kMarkPulled);
   grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns, p.error_record);
-#if MEGAMOE_SMEM_MAINLOOP == 3
+#if MEGAMOE_SMEM_MAINLOOP >= 3
   if (threadIdx.x == 0) fence_proxy_async_global();  // pulled rows (generic stores) before TMA reads them
 #endif
   mark_phase(p, kMarkL1Start);

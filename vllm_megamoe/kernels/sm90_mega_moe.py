@@ -17,7 +17,7 @@ from ..buffer import SymmBuffer
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
-from .sm90_tuning import WGMMA_MAINLOOPS, Choice
+from .sm90_tuning import TMA_MAINLOOPS, WGMMA_MAINLOOPS, Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
 ENTRY = "megamoe_sm90_fused"
@@ -28,12 +28,14 @@ TILE_ROWS = 256
 # Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
 #   "tma" (the heuristic's): the wgmma stages filled by TMA box copies on per-stage mbarriers (one
 #     issuing thread; H200 EP2, three shapes, 1-8192 tokens per rank: 1.03-1.16x faster than wgmma);
+#   "tma_wg": the TMA stages without a CTA barrier per K chunk: each warpgroup releases a stage
+#     after its wgmmas, the last release issues the next copy into it (not yet run on a GPU);
 #   "wgmma": cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
 #     (H200, V4-Flash-like EP2: 1.2x the smem build at 8 tokens per rank, 2x at 1024-8192);
 #   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
 #   "ldg": fragments loaded straight from global memory (the first version).
 # Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
-MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3}
+MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3, "tma_wg": 4}
 SMEM_PER_BLOCK = 227 * 1024
 
 
@@ -52,8 +54,10 @@ def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", til
     max_kblocks = max(shape.hidden, shape.intermediate) // 128
     row, align = (128, 1024) if variant in WGMMA_MAINLOOPS else (144, 16)
     struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
-    if variant == "tma":
+    if variant in TMA_MAINLOOPS:
         struct += 8 * stages  # one mbarrier per stage
+    if variant == "tma_wg":
+        struct += 4 * stages  # one release counter per stage
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
     return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 
@@ -231,7 +235,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.num_tokens, params.rank = t, buffer.rank
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
-    maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop == "tma" else [_NO_MAP] * 4
+    maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop in TMA_MAINLOOPS else [_NO_MAP] * 4
     kernel.launch(_grid_size(dev, spec), NUM_THREADS, dynamic_smem_bytes(spec),
                   torch.cuda.current_stream(x.device).cuda_stream, [params, *maps])
     return y

@@ -24,8 +24,9 @@ from typing import Optional
 
 from ..shape import MoEShape, require
 
-MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
-WGMMA_MAINLOOPS = ("wgmma", "tma")  # swizzled stages + wgmma: 64-token tiles possible
+MAINLOOPS = ("ldg", "smem", "wgmma", "tma", "tma_wg")
+WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")  # swizzled stages + wgmma: 64-token tiles possible
+TMA_MAINLOOPS = ("tma", "tma_wg")             # stages filled by TMA: the launch passes tensor maps
 TILES = (32, 64)
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
 TABLE_NAME = "sm90_mega_moe.yaml"
@@ -42,7 +43,7 @@ class Choice:
         require(2 <= self.stages <= 8, f"stages={self.stages} must be in [2, 8]")
         require(self.tile in TILES, f"token tile {self.tile} must be one of {TILES}")
         require(self.tile == 32 or self.mainloop in WGMMA_MAINLOOPS,
-                f"64-token tiles need the wgmma or tma mainloop (not {self.mainloop!r})")
+                f"64-token tiles need the wgmma, tma or tma_wg mainloop (not {self.mainloop!r})")
         require(self.mainloop != "ldg" or self.stages == 4, "the ldg mainloop has no stages (leave 4)")
 
     def label(self) -> str:
@@ -71,7 +72,7 @@ def env_overrides() -> dict:
     if out.get("tile") == 64:
         mainloop = out.get("mainloop", HEURISTIC.mainloop)
         require(mainloop in WGMMA_MAINLOOPS,
-                f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma (it is {mainloop!r})")
+                f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma, tma or tma_wg (it is {mainloop!r})")
     return out
 
 

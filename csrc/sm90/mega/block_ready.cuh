@@ -39,7 +39,7 @@ MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block,
       }
     }
     *flag = next_block != ~0u && l1_block_ready(me, next_block);
-#if MEGAMOE_SMEM_MAINLOOP == 3
+#if MEGAMOE_SMEM_MAINLOOP >= 3
     fence_proxy_async_global();  // the block's staging_l2 rows were stored by other CTAs; TMA reads them
 #endif
   }

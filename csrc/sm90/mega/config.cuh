@@ -23,7 +23,8 @@ constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx /
 constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
 #ifndef MEGAMOE_SMEM_MAINLOOP
-#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma
+#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma,
+                                  // 4: TMA + wgmma, stages released per warpgroup
 #endif
 // Device printf is a function call, and ptxas serialises every wgmma of a kernel that makes
 // one: with the wgmma mainloop, failures are reported through the host-mapped error record only.

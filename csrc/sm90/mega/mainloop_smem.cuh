@@ -13,6 +13,10 @@
 //     copies (tensor maps from the host, 128-byte swizzle) that complete on a per-stage mbarrier;
 //     token rows past the task's end are whatever follows in staging (their columns are never
 //     stored), rows past the staging region are zero-filled.
+//   MEGAMOE_SMEM_MAINLOOP=4 (tma_wg): the TMA stages without the CTA barrier per K chunk: each
+//     warpgroup releases a stage when its wgmmas on it are done, and the second release of a
+//     stage issues the chunk that goes into it next, so the two warpgroups drift apart and one's
+//     FP32 promotion overlaps the other's wgmmas instead of both waiting at every chunk.
 #pragma once
 #include "../tma.cuh"
 #include "../wgmma.cuh"
@@ -27,7 +31,9 @@
 namespace megamoe::mega {
 
 constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP >= 2;
-constexpr bool kTma = MEGAMOE_SMEM_MAINLOOP == 3;
+constexpr bool kTma = MEGAMOE_SMEM_MAINLOOP >= 3;
+constexpr bool kWarpgroupRelease = MEGAMOE_SMEM_MAINLOOP == 4;
+constexpr u32 kWarpgroups = kNumThreads / 128;
 constexpr u32 kChunkBytes = 128;                  // K bytes per stage (FP8: one 128-value scale block)
 constexpr u32 kStagedRow = kWgmma ? 128 : 144;    // bytes per staged row: swizzled, or padded by 16
 constexpr u32 kStageAlign = kWgmma ? 1024 : 16;   // a 128-byte swizzle atom is 8 rows = 1024 bytes
@@ -39,8 +45,11 @@ struct MainloopSmem {
   alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
   float tok_scale[kTileTokens][kMaxKBlocks];  // FP8: the task's token scales per 128-K block
   float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
-#if MEGAMOE_SMEM_MAINLOOP == 3
+#if MEGAMOE_SMEM_MAINLOOP >= 3
   u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
+#endif
+#if MEGAMOE_SMEM_MAINLOOP == 4
+  u32 released[kMainloopStages];              // tma_wg: warpgroup releases of each stage, ever
 #endif
 };
 static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
@@ -63,9 +72,12 @@ MEGAMOE_DEVICE u32 acc_row_base(u32 warp, u32 mt) {
 // TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
 // thread at kernel start; a grid sync (which begins with __syncthreads) follows before first use.
 MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
-#if MEGAMOE_SMEM_MAINLOOP == 3
+#if MEGAMOE_SMEM_MAINLOOP >= 3
   if (threadIdx.x == 0) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
+#if MEGAMOE_SMEM_MAINLOOP == 4
+    for (u32 s = 0; s < kMainloopStages; ++s) sm.released[s] = 0;
+#endif
     fence_barrier_init();
   }
 #else
@@ -98,7 +110,7 @@ struct MainloopState {
   int phase;  // for a stage-wait timeout report (kPhaseL1 / kPhaseL2)
 };
 
-#if MEGAMOE_SMEM_MAINLOOP == 3
+#if MEGAMOE_SMEM_MAINLOOP >= 3
 // Waits for a TMA stage with the call's deadline; a copy that never lands is reported (rank,
 // phase, stage, use) through the error record and traps instead of hanging.
 MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase) {
@@ -119,15 +131,20 @@ MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
 
 // Issues the copies of K chunk `chunk` of a task into `stage`: 256 weight rows (8 x 16 B each)
 // and the 32 token rows (clamped to the last valid row, like mma_tile.cuh).
+#if MEGAMOE_SMEM_MAINLOOP >= 3
+// TMA: the two box copies of chunk `chunk` into `stage`, completing on its mbarrier (one thread).
+MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
+  const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
+  mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
+  tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), static_cast<int>(op.rows.expert));
+  tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k, static_cast<int>(op.rows.first_row));
+}
+#endif
+
 template <u32 K>
 MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
-#if MEGAMOE_SMEM_MAINLOOP == 3
-  if (threadIdx.x == 0) {
-    const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
-    mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
-    tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), static_cast<int>(op.rows.expert));
-    tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k, static_cast<int>(op.rows.first_row));
-  }
+#if MEGAMOE_SMEM_MAINLOOP >= 3
+  if (threadIdx.x == 0) issue_chunk_tma(sm, stage, chunk, op);
 #else
   constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
   const u32 k0 = chunk * kChunkBytes;
@@ -279,6 +296,68 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& 
   }
 }
 
+// acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
+MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
+  if constexpr (!kFP8) {
+    if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
+    else mma_chunk(acc, sm, stage, ntiles);
+  } else {
+    if constexpr (kWgmma && kTileTokens == 64) {
+      wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);
+    } else {
+      WarpAcc part;
+      if constexpr (kWgmma) {
+        wgmma_chunk(part, sm, stage, false);
+      } else {
+        part.zero();
+        mma_chunk(part, sm, stage, ntiles);
+      }
+      promote_block_smem(acc, part, sm, c, ntiles);
+    }
+  }
+}
+
+#if MEGAMOE_SMEM_MAINLOOP == 4
+// tma_wg: the K loop of one task without a CTA barrier per chunk. Each warpgroup waits for a
+// stage's TMA, runs its wgmmas (and FP8 promotion), and releases the stage; the warpgroup whose
+// release is the stage's last issues the chunk that goes there next (S chunks ahead, or the next
+// task's first chunks: the stream never drains between tasks either). A warpgroup can run at
+// most S chunks ahead of the other.
+template <u32 K>
+MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, MainloopState& st,
+                                               const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  if (kChunks < S) next = nullptr;  // the next task's first S chunks come from this one's last S releases
+  const u32 ntiles = (cur.rows.num_rows + 7) / 8;
+  const u32 wg = threadIdx.x / 128;
+  acc.zero();
+  if (!st.prefetched && threadIdx.x == 0) {  // every stage is free: the last task drained them
+    for (u32 c = 0; c < S && c < kChunks; ++c) issue_chunk_tma(sm, (st.seq + c) % S, c, cur);
+  }
+  if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
+  __syncthreads();  // the scale tables, before the first promotion
+  for (u32 c = 0; c < kChunks; ++c) {
+    const u32 seq = st.seq + c, stage = seq % S;
+    wait_stage(&sm.full[stage], stage, seq / S, p, st.phase);
+    chunk_mma(acc, sm, stage, c, ntiles);
+    named_barrier_sync(1 + wg, 128);  // every warp of this warpgroup waited for its wgmmas on the stage
+    if (threadIdx.x % 128 == 0) {
+      __threadfence_block();
+      if (atomicAdd(&sm.released[stage], 1u) % kWarpgroups == kWarpgroups - 1) {  // the stage's last release
+        __threadfence_block();
+        const u32 ahead = c + S;
+        if (ahead < kChunks) issue_chunk_tma(sm, stage, ahead, cur);
+        else if (next != nullptr) issue_chunk_tma(sm, stage, ahead - kChunks, *next);
+      }
+    }
+  }
+  st.seq += kChunks;
+  st.prefetched = next != nullptr;
+  __syncthreads();  // both warpgroups are done with this task's scale tables
+}
+#endif
+
 // The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
 // `next` (or nullptr): the CTA's next task of the same phase; its first kMainloopStages - 1
 // chunks are issued during this task's last iterations, so the weight stream never drains
@@ -286,9 +365,12 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& 
 template <u32 K>
 MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, const TaskOperands& cur,
                              const TaskOperands* next, const Params& p) {
+  static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
+#if MEGAMOE_SMEM_MAINLOOP == 4
+  cta_gemm_warpgroup_release<K>(acc, sm, st, cur, next, p);
+#else
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
-  static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
   if (kChunks < S - 1) next = nullptr;  // too short to stream on: every task fills its own stages
   const u32 ntiles = (cur.rows.num_rows + 7) / 8;
   acc.zero();
@@ -314,29 +396,13 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
     else if (next != nullptr)
       load_chunk<K>(sm, (st.seq + ahead) % S, ahead - kChunks, *next);
     cp_async_commit();
-    const u32 stage = (st.seq + c) % S;
-    if constexpr (!kFP8) {
-      if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
-      else mma_chunk(acc, sm, stage, ntiles);
-    } else {
-      if constexpr (kWgmma && kTileTokens == 64) {
-        wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);
-      } else {
-        WarpAcc part;
-        if constexpr (kWgmma) {
-          wgmma_chunk(part, sm, stage, false);
-        } else {
-          part.zero();
-          mma_chunk(part, sm, stage, ntiles);
-        }
-        promote_block_smem(acc, part, sm, c, ntiles);
-      }
-    }
+    chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
   }
   st.seq += kChunks;
   st.prefetched = next != nullptr;
   if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
   __syncthreads();  // every warp is done with this task's stages and scale tables
+#endif
 }
 
 }  // namespace megamoe::mega
