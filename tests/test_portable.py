@@ -158,3 +158,14 @@ def test_portable_scatter_setting_is_checked(monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "nccl")
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_SCATTER='nccl' must be one of"):
         portable_combine.scatter_setting()
+
+
+def test_portable_activation_setting_is_checked(monkeypatch):
+    from vllm_megamoe import portable_activation
+    monkeypatch.delenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", raising=False)
+    assert portable_activation.activation_setting() == "torch"
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "triton")
+    assert portable_activation.activation_setting() == "triton"
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "fused")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_ACTIVATION='fused' must be one of"):
+        portable_activation.activation_setting()

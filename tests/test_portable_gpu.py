@@ -102,3 +102,37 @@ def test_padded_mode_with_the_triton_combine_scatter(fmt):
     assert_rows(rows, fmt)
     for errs in run_ranks(_graph_rank, 2, (SHAPES[1], fmt, 64), backend="nccl", timeout_s=300, env=env):
         assert max(errs) <= EMULATED_BOUND[fmt], errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "padded"])
+def test_triton_activation_one_gpu(mode, monkeypatch):
+    """VLLM_MEGAMOE_PORTABLE_ACTIVATION=triton: SwiGLU x weight + FP8 requantization in one kernel,
+    the same cases against the reference (FP8 weights; BF16 has no requantization)."""
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "triton")
+    rows = _rank_main(0, 1, None, SHAPES[1], "fp8-block", mode)
+    errs = _graph_rank(0, 1, None, SHAPES[1], "fp8-block", 64)
+    assert_rows([rows], "fp8-block")
+    assert max(errs) <= EMULATED_BOUND["fp8-block"], errs
+
+
+@pytest.mark.gpu
+def test_triton_activation_matches_the_torch_ops():
+    """The fused kernel against reference.swiglu + quant.quantize_fp8_tokens on random rows:
+    scales equal to the bit but for silu's last bits, dequantized rows within one FP8 step."""
+    from vllm_megamoe import portable_activation, quant
+    torch.manual_seed(0)
+    rows, inter = 300, 512
+    gate_up = (torch.randn(rows, 2 * inter, device="cuda") * 3).to(torch.bfloat16)
+    w = torch.rand(rows, device="cuda")
+    ends = torch.tensor([100, 100, 250], dtype=torch.int32, device="cuda")  # rows 250.. are never read
+    for clamp in (None, 2.5):
+        q, s = portable_activation.swiglu_quantize_fp8(gate_up, w, ends, clamp)
+        act = reference.swiglu(gate_up.float(), clamp, round_to_bf16=True) * w[:, None]
+        q_ref, s_ref = quant.quantize_fp8_tokens(act, 128, "float")
+        torch.testing.assert_close(s[:250], s_ref[:250], rtol=1e-6, atol=0)
+        got = quant.dequantize_fp8_tokens(q[:250], s[:250])
+        want = quant.dequantize_fp8_tokens(q_ref[:250], s_ref[:250])
+        step = s_ref[:250].repeat_interleave(128, dim=1) * 32  # one e4m3 step at the top of the range
+        assert ((got - want).abs() <= step).all()
+        assert (got == want).float().mean() > 0.999

@@ -43,3 +43,15 @@ def test_grouped_fp8_gemm_compiles_for_sm90():
                         num_warps=4, num_stages=3)
     ptx = compiled.asm["ptx"]
     assert re.search(r"\b(wgmma|mma)\.", ptx), "no tensor-core instruction in the grouped GEMM"
+
+
+def test_swiglu_quantize_compiles_for_sm90():
+    from vllm_megamoe import portable_activation, quant
+    sig = {"gate_up_ptr": "*bf16", "weight_ptr": "*fp32", "ends_ptr": "*i32", "q_ptr": "*fp8e4nv",
+           "scale_ptr": "*fp32", "inter": "i32", "num_groups": "i32", "clamp": "fp32", "HAS_CLAMP": "constexpr",
+           "GROUP": "constexpr", "AMAX_FLOOR": "constexpr", "FP8_MAX": "constexpr"}
+    ptx = _compile(portable_activation._kernel(), sig,
+                   {"HAS_CLAMP": True, "GROUP": 128, "AMAX_FLOOR": quant.AMAX_FLOOR, "FP8_MAX": quant.FP8_MAX},
+                   range(5), num_warps=1).asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the FP8 conversion rounds to nearest, saturating
+    assert "div.rn.f32" in ptx                    # the same division as quant.quantize_fp8_tokens

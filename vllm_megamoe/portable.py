@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import portable_combine, portable_gemm, quant
+from . import portable_activation, portable_combine, portable_gemm, quant
 from .buffer import SymmBuffer
 from .errors import MegaMoEError
 from .reference import swiglu
@@ -154,8 +154,11 @@ def _expert_mlp_grouped(rows_q, rows_s, pair_weights, weights: ExpertWeights, cl
     if weights.format == "fp8-block" and portable_gemm.available(rows_q.device):
         gate_up = portable_gemm.grouped_fp8_block_gemm(
             rows_q.contiguous(), rows_s.contiguous(), weights.w13, weights.w13_scale, ends)
-        act = swiglu(gate_up.float(), clamp, round_to_bf16=True) * pair_weights[:, None]
-        act_q, act_s = quant.quantize_fp8_tokens(act, 128, "float")
+        if portable_activation.activation_setting() == "triton":
+            act_q, act_s = portable_activation.swiglu_quantize_fp8(gate_up, pair_weights.contiguous(), ends, clamp)
+        else:
+            act = swiglu(gate_up.float(), clamp, round_to_bf16=True) * pair_weights[:, None]
+            act_q, act_s = quant.quantize_fp8_tokens(act, 128, "float")
         return portable_gemm.grouped_fp8_block_gemm(act_q, act_s, weights.w2, weights.w2_scale, ends)
     w13, w2 = _dense_weights(weights, torch.bfloat16)
     rows = _dequantized(rows_q, rows_s).to(torch.bfloat16)
