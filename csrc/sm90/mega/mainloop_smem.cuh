@@ -346,6 +346,9 @@ MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, M
       __threadfence_block();
       if (atomicAdd(&sm.released[stage], 1u) % kWarpgroups == kWarpgroups - 1) {  // the stage's last release
         __threadfence_block();
+        // Staging rows were stored by other CTAs (generic proxy) and made visible to this CTA by
+        // thread 0's acquire and a CTA barrier; the thread issuing the TMA may be another one.
+        fence_proxy_async_global();
         const u32 ahead = c + S;
         if (ahead < kChunks) issue_chunk_tma(sm, stage, ahead, cur);
         else if (next != nullptr) issue_chunk_tma(sm, stage, ahead - kChunks, *next);
