@@ -9,7 +9,7 @@
 #                for configs/sm90_mega_moe.yaml
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
-#   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_ACTIVATION=triton: tests and timing
+#   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_ACTIVATION / _REDUCE=triton: tests and timing
 #   STEP=final   within BUDGET s (default 540): every kernel test of the default builds, the benchmark
 #                (FP8 + BF16, 1-8192 tokens per rank with 4096, SGLang: carry .whl, set MEGAMOE_COMMIT),
 #                then, if time is left, a probe of 5 TMA stages at decode and the portable path's
@@ -49,11 +49,13 @@ case "${STEP:-verify}" in
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1
     grep -E "^== " "$OUT/bench.log" ;;
-  portable) # the portable path's Triton activation: its GPU tests, then portable vs chain with it off / on
-    timeout 150 python3 -m pytest $T tests/test_portable_gpu.py -k "triton_activation" > "$OUT/portable_tests.log" 2>&1
+  portable) # the portable path's Triton activation and reduce: their GPU tests, then portable vs chain
+            # with both off / on
+    timeout 150 python3 -m pytest $T tests/test_portable_gpu.py -k "triton_activation or triton_reduce" \
+      > "$OUT/portable_tests.log" 2>&1
     tail -3 "$OUT/portable_tests.log"
     for a in torch triton; do
-      VLLM_MEGAMOE_PORTABLE_ACTIVATION=$a timeout 150 python3 -m benchmarks.first_kernel_timing --gpus 2 \
+      VLLM_MEGAMOE_PORTABLE_ACTIVATION=$a VLLM_MEGAMOE_PORTABLE_REDUCE=$a timeout 150 python3 -m benchmarks.first_kernel_timing --gpus 2 \
         --shapes deepseek-v3 v4-flash --tokens 8 128 --out "$OUT/portable_$a.json" 2>&1 | tail -6
     done ;;
   final)

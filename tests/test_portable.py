@@ -169,3 +169,18 @@ def test_portable_activation_setting_is_checked(monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "fused")
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_ACTIVATION='fused' must be one of"):
         portable_activation.activation_setting()
+
+
+def test_portable_reduce_setting_is_checked(monkeypatch):
+    from vllm_megamoe import portable_combine
+    monkeypatch.delenv("VLLM_MEGAMOE_PORTABLE_REDUCE", raising=False)
+    assert portable_combine.reduce_setting() == "torch"
+    monkeypatch.setattr(portable_combine, "triton_available", lambda: True)
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "triton")
+    assert portable_combine.reduce_setting() == "triton"
+    monkeypatch.setattr(portable_combine, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="REDUCE=triton needs the triton package"):
+        portable_combine.reduce_setting()
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "cub")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_REDUCE='cub' must be one of"):
+        portable_combine.reduce_setting()

@@ -179,6 +179,8 @@ def _write_combine(buffer: SymmBuffer, peer: int, slots, tokens, out_rows, valid
 
 
 def _reduce(buffer: SymmBuffer, topk_idx, t: int, h: int) -> torch.Tensor:
+    if topk_idx.is_cuda and portable_combine.reduce_setting() == "triton":
+        return portable_combine.reduce_slots(buffer, topk_idx, h)
     k = topk_idx.shape[1]
     slots = buffer.view("combine")[:k, :t, :h].float()  # [K, T, H]
     mask = (topk_idx >= 0).T.unsqueeze(-1)               # [K, T, 1]

@@ -1,4 +1,5 @@
-"""Combine writes of the portable path's padded (CUDA-graph) mode with one Triton kernel.
+"""The portable path's combine step on CUDA with Triton: the writes of the padded (CUDA-graph)
+mode, and (opt-in) the top-k reduce.
 
 The padded mode has a fixed number of output rows (every pair a peer may send), most of them
 masked. Written with `index_put` per peer, every row goes to every peer's buffer (masked rows
@@ -9,6 +10,11 @@ and skips masked rows: the bytes that cross NVLink are the live rows only.
 VLLM_MEGAMOE_PORTABLE_SCATTER: auto (the default: this kernel when Triton imports), triton, or
 torch (the index_put version). On 2 x H200 (EP2, FP8, 8 and 128 tokens per rank, V4-Flash-like
 and DeepSeek-V3-like) the portable path took 0.89-0.98x of its index_put time with this kernel.
+
+The reduce, y[t] = sum over live slots k of combine[k][t] in FP32, is four torch kernels over a
+float copy of all K slots (convert, mask, sum, round); `reduce_slots` reads each live slot row
+once and writes y. VLLM_MEGAMOE_PORTABLE_REDUCE: torch (the default until it is timed on a GPU)
+or triton.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import torch
 from .shape import check_tensor, require
 
 SCATTERS = ("auto", "torch", "triton")
+REDUCES = ("torch", "triton")
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,6 +47,14 @@ def scatter_setting() -> str:
     require(raw != "triton" or triton_available(),
             "VLLM_MEGAMOE_PORTABLE_SCATTER=triton needs the triton package (pip install triton), "
             "or set it to torch")
+    return raw
+
+
+def reduce_setting() -> str:
+    raw = os.environ.get("VLLM_MEGAMOE_PORTABLE_REDUCE", "torch")
+    require(raw in REDUCES, f"VLLM_MEGAMOE_PORTABLE_REDUCE={raw!r} must be one of {REDUCES}")
+    require(raw != "triton" or triton_available(),
+            "VLLM_MEGAMOE_PORTABLE_REDUCE=triton needs the triton package (pip install triton), or set it to torch")
     return raw
 
 
@@ -99,3 +114,42 @@ def scatter_to_peers(buffer, out_rows: torch.Tensor, peer: torch.Tensor, slot: t
     require(width % 8 == 0 and pitch % 8 == 0, f"rows of {width} / {pitch} values are not 16-byte multiples")
     _kernel()[(n,)](out_rows, width, buffer.view("combine"), combine_deltas(buffer), peer.long().contiguous(),
                     dst_row, live.to(torch.int8).contiguous(), pitch, BLOCK=1024)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_kernel():
+    import triton
+    import triton.language as tl
+
+    # One program per (token, BLOCK columns): slots in order, masked routes skipped, FP32 sums
+    # (the order of torch's sum over the slot dimension), one rounding to BF16.
+    @triton.jit
+    def reduce_topk_slots(combine_ptr, topk_ptr, y_ptr, tokens, slot_pitch, row_pitch, hidden,
+                          TOPK: tl.constexpr, BLOCK: tl.constexpr):
+        tok = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(TOPK):
+            if tl.load(topk_ptr + tok * TOPK + k) >= 0:
+                row = combine_ptr + k * slot_pitch + tok.to(tl.int64) * row_pitch
+                acc += tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + tok.to(tl.int64) * hidden + cols, acc.to(tl.bfloat16), mask=mask)
+
+    return reduce_topk_slots
+
+
+def reduce_slots(buffer, topk_idx: torch.Tensor, hidden: int) -> torch.Tensor:
+    """y [T, hidden] bf16 = sum over k with topk_idx[t, k] >= 0 of this rank's combine[k][t] (CUDA)."""
+    t, k = topk_idx.shape
+    combine = buffer.view("combine")  # [C, T_max, H_buf]
+    c, t_max, pitch = combine.shape
+    require(k <= c and t <= t_max and hidden <= pitch,
+            f"top-{k} x {t} tokens x {hidden} do not fit the combine region {tuple(combine.shape)}")
+    y = torch.empty(t, hidden, dtype=torch.bfloat16, device=combine.device)
+    if t == 0:
+        return y
+    block = 1024
+    _reduce_kernel()[(t, -(-hidden // block))](combine, topk_idx.to(torch.int32).contiguous(), y, t, t_max * pitch,
+                                               pitch, hidden, TOPK=k, BLOCK=block)
+    return y

@@ -111,6 +111,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "How the portable path computes SwiGLU x weight and the FP8 requantization between its "
         "GEMMs (FP8 weights on CUDA): torch (elementwise ops, the default) or triton (one kernel; "
         "not yet timed on a GPU).", core_env=True),
+    Key("portable_reduce", _choice("torch", "triton"), None,
+        "How the portable path sums a token's top-k combine slots on CUDA: torch (the default) or "
+        "triton (one kernel; not yet timed on a GPU).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
         "(wgmma / tma only; streams each weight tile half as often in prefill) or auto (64 from 48 "
