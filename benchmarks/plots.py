@@ -18,6 +18,13 @@ QUANTITIES = {
 }
 
 
+def path_color(path: str) -> str:
+    """One colour per path in every panel (a panel without SGLang must not recolour the chain)."""
+    order = list(report.PATH_ORDER)
+    i = order.index(path) if path in order else len(order) + sum(map(ord, path))
+    return f"C{i % 10}"
+
+
 def panels(rows: list[dict]) -> dict:
     """{(shape, format, routing): {path: [(tokens, row), ...] sorted by tokens}}."""
     out: dict = {}
@@ -52,7 +59,7 @@ def plot(rows: list[dict], out_dir: str, prefix: str = "bench", title: str = "")
                 if pts:
                     alias = by_path[path][0][1].get("alias_of")
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                            linestyle="--" if alias else "-",
+                            linestyle="--" if alias else "-", color=path_color(path),
                             label=f"{path} (= {alias})" if alias else path)
             ax.set_xscale("log", base=2)
             if logy:

@@ -233,6 +233,13 @@ def test_plots_from_json(tmp_path):
     assert all(os.path.getsize(p) > 10_000 for p in written)
 
 
+def test_plot_colours_are_fixed_per_path():
+    from benchmarks import plots
+    colours = [plots.path_color(p) for p in report.PATH_ORDER]
+    assert len(set(colours)) == len(colours)  # distinct
+    assert plots.path_color("chain") == "C3"   # the same in a panel without SGLang
+
+
 def test_ceilings_merge_and_complete():
     from benchmarks import ceilings as C
     per_rank = [dict(copy_bytes_per_s=4.1e12, fp8_flops_per_s=1.3e15, nvlink_read_bytes_per_s=3.7e11),
