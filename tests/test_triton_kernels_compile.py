@@ -48,7 +48,7 @@ def test_grouped_fp8_gemm_compiles_for_sm90():
 def test_swiglu_quantize_compiles_for_sm90():
     from vllm_megamoe import portable_activation, quant
     sig = {"gate_up_ptr": "*bf16", "weight_ptr": "*fp32", "ends_ptr": "*i32", "q_ptr": "*fp8e4nv",
-           "scale_ptr": "*fp32", "inter": "i32", "num_groups": "i32", "clamp": "fp32", "HAS_CLAMP": "constexpr",
+           "scale_ptr": "*fp32", "inter": "i32", "num_experts": "i32", "clamp": "fp32", "HAS_CLAMP": "constexpr",
            "GROUP": "constexpr", "AMAX_FLOOR": "constexpr", "FP8_MAX": "constexpr"}
     ptx = _compile(portable_activation._kernel(), sig,
                    {"HAS_CLAMP": True, "GROUP": 128, "AMAX_FLOOR": quant.AMAX_FLOOR, "FP8_MAX": quant.FP8_MAX},

@@ -38,12 +38,12 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def swiglu_quantize_fp8(gate_up_ptr, weight_ptr, ends_ptr, q_ptr, scale_ptr, inter, num_groups, clamp,
+    def swiglu_quantize_fp8(gate_up_ptr, weight_ptr, ends_ptr, q_ptr, scale_ptr, inter, num_experts, clamp,
                             HAS_CLAMP: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                             FP8_MAX: tl.constexpr):
         row = tl.program_id(0)
         grp = tl.program_id(1)
-        if row >= tl.load(ends_ptr + num_groups - 1):  # past the last expert: never read again
+        if row >= tl.load(ends_ptr + num_experts - 1):  # past the last expert: never read again
             return
         cols = grp * GROUP + tl.arange(0, GROUP)
         src = gate_up_ptr + row.to(tl.int64) * (2 * inter)
