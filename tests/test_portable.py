@@ -142,45 +142,31 @@ def test_cuda_buffer_refuses_ranks_without_peer_access(monkeypatch):
     buf._check_peer_access()  # one host, peer access everywhere: fine
 
 
-def test_portable_scatter_setting_is_checked(monkeypatch):
-    from vllm_megamoe import portable_combine
-    for have_triton, auto in ((True, "triton"), (False, "torch")):
-        monkeypatch.setattr(portable_combine, "triton_available", lambda: have_triton)
-        monkeypatch.delenv("VLLM_MEGAMOE_PORTABLE_SCATTER", raising=False)
-        assert portable_combine.scatter_setting() == auto
-        monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "torch")
-        assert portable_combine.scatter_setting() == "torch"
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "triton")
-    with pytest.raises(ValueError, match="needs the triton package"):
-        portable_combine.scatter_setting()
-    monkeypatch.setattr(portable_combine, "triton_available", lambda: True)
-    assert portable_combine.scatter_setting() == "triton"
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_SCATTER", "nccl")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_SCATTER='nccl' must be one of"):
-        portable_combine.scatter_setting()
-
-
-def test_portable_activation_setting_is_checked(monkeypatch):
-    from vllm_megamoe import portable_activation
-    monkeypatch.delenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", raising=False)
-    assert portable_activation.activation_setting() == "torch"
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "triton")
-    assert portable_activation.activation_setting() == "triton"
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "fused")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_ACTIVATION='fused' must be one of"):
-        portable_activation.activation_setting()
-
-
-def test_portable_reduce_setting_is_checked(monkeypatch):
-    from vllm_megamoe import portable_combine
-    monkeypatch.delenv("VLLM_MEGAMOE_PORTABLE_REDUCE", raising=False)
-    assert portable_combine.reduce_setting() == "torch"
-    monkeypatch.setattr(portable_combine, "triton_available", lambda: True)
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "triton")
-    assert portable_combine.reduce_setting() == "triton"
-    monkeypatch.setattr(portable_combine, "triton_available", lambda: False)
-    with pytest.raises(ValueError, match="REDUCE=triton needs the triton package"):
-        portable_combine.reduce_setting()
+@pytest.mark.parametrize("var,default", [("VLLM_MEGAMOE_PORTABLE_SCATTER", "auto"),
+                                         ("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "torch"),
+                                         ("VLLM_MEGAMOE_PORTABLE_REDUCE", "torch")])
+def test_portable_kernel_settings_are_checked(monkeypatch, var, default):
+    from vllm_megamoe import portable_activation, portable_combine, portable_settings
+    read = {"VLLM_MEGAMOE_PORTABLE_SCATTER": portable_combine.scatter_setting,
+            "VLLM_MEGAMOE_PORTABLE_ACTIVATION": portable_activation.activation_setting,
+            "VLLM_MEGAMOE_PORTABLE_REDUCE": portable_combine.reduce_setting}[var]
+    for have_triton in (True, False):
+        monkeypatch.setattr(portable_settings, "triton_available", lambda: have_triton)
+        monkeypatch.delenv(var, raising=False)
+        assert read() == ("triton" if default == "auto" and have_triton else "torch")
+        monkeypatch.setenv(var, "auto")
+        assert read() == ("triton" if have_triton else "torch")
+        monkeypatch.setenv(var, "torch")
+        assert read() == "torch"
+        monkeypatch.setenv(var, "triton")
+        if have_triton:
+            assert read() == "triton"
+        else:
+            with pytest.raises(ValueError, match=f"{var}=triton needs the triton package"):
+                read()
+    monkeypatch.setenv(var, "nccl")
+    with pytest.raises(ValueError, match=f"{var}='nccl' must be one of"):
+        read()
     monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "cub")
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_REDUCE='cub' must be one of"):
         portable_combine.reduce_setting()

@@ -9,27 +9,25 @@ scales: the arithmetic of `reference.swiglu(..., round_to_bf16=True) * weight` f
 `quant.quantize_fp8_tokens(..., 128, "float")` (the same clamp, amax floor, scale and
 round-to-nearest division; silu's exp may differ from torch's in the last bits).
 
-VLLM_MEGAMOE_PORTABLE_ACTIVATION: torch (the default until it is timed on a GPU) or triton.
+VLLM_MEGAMOE_PORTABLE_ACTIVATION (portable_settings.py): torch (the default until it is timed on a
+GPU), triton or auto.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from . import quant
+from . import portable_settings, quant
 from .shape import check_tensor, require
 
-ACTIVATIONS = ("torch", "triton")
 GROUP = 128
 
 
 def activation_setting() -> str:
-    raw = os.environ.get("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "torch")
-    require(raw in ACTIVATIONS, f"VLLM_MEGAMOE_PORTABLE_ACTIVATION={raw!r} must be one of {ACTIVATIONS}")
-    return raw
+    """The activation step on CUDA with FP8 weights: "triton" or "torch"."""
+    return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_ACTIVATION")
 
 
 @functools.lru_cache(maxsize=None)

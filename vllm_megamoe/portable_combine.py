@@ -7,55 +7,33 @@ into that peer's trash row) as 2-byte element stores, over NVLink for remote pee
 instead copies each live row once, to the peer that owns its token, with 16-byte vector stores,
 and skips masked rows: the bytes that cross NVLink are the live rows only.
 
-VLLM_MEGAMOE_PORTABLE_SCATTER: auto (the default: this kernel when Triton imports), triton, or
-torch (the index_put version). On 2 x H200 (EP2, FP8, 8 and 128 tokens per rank, V4-Flash-like
-and DeepSeek-V3-like) the portable path took 0.89-0.98x of its index_put time with this kernel.
+VLLM_MEGAMOE_PORTABLE_SCATTER (portable_settings.py): auto (the default: this kernel when Triton
+imports), triton, or torch (the index_put version). On 2 x H200 (EP2, FP8, 8 and 128 tokens per
+rank, V4-Flash-like and DeepSeek-V3-like) the portable path took 0.89-0.98x of its index_put time
+with this kernel.
 
 The reduce, y[t] = sum over live slots k of combine[k][t] in FP32, is four torch kernels over a
 float copy of all K slots (convert, mask, sum, round); `reduce_slots` reads each live slot row
-once and writes y. VLLM_MEGAMOE_PORTABLE_REDUCE: torch (the default until it is timed on a GPU)
-or triton.
+once and writes y. VLLM_MEGAMOE_PORTABLE_REDUCE: torch (the default until it is timed on a GPU),
+triton or auto.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from . import portable_settings
 from .shape import check_tensor, require
-
-SCATTERS = ("auto", "torch", "triton")
-REDUCES = ("torch", "triton")
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def scatter_setting() -> str:
     """The combine scatter the padded mode uses on CUDA: "triton" or "torch"."""
-    raw = os.environ.get("VLLM_MEGAMOE_PORTABLE_SCATTER", "auto")
-    require(raw in SCATTERS, f"VLLM_MEGAMOE_PORTABLE_SCATTER={raw!r} must be one of {SCATTERS}")
-    if raw == "auto":
-        return "triton" if triton_available() else "torch"
-    require(raw != "triton" or triton_available(),
-            "VLLM_MEGAMOE_PORTABLE_SCATTER=triton needs the triton package (pip install triton), "
-            "or set it to torch")
-    return raw
+    return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_SCATTER")
 
 
 def reduce_setting() -> str:
-    raw = os.environ.get("VLLM_MEGAMOE_PORTABLE_REDUCE", "torch")
-    require(raw in REDUCES, f"VLLM_MEGAMOE_PORTABLE_REDUCE={raw!r} must be one of {REDUCES}")
-    require(raw != "triton" or triton_available(),
-            "VLLM_MEGAMOE_PORTABLE_REDUCE=triton needs the triton package (pip install triton), or set it to torch")
-    return raw
+    """The top-k reduce on CUDA: "triton" or "torch"."""
+    return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_REDUCE")
 
 
 @functools.lru_cache(maxsize=None)

@@ -107,11 +107,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "How the portable path's CUDA-graph (padded) mode writes combine rows: triton (one kernel, "
         "live rows only, vector stores), torch (index_put per peer) or auto (triton when it "
         "imports; the default).", core_env=True),
-    Key("portable_activation", _choice("torch", "triton"), None,
+    Key("portable_activation", _choice("auto", "torch", "triton"), None,
         "How the portable path computes SwiGLU x weight and the FP8 requantization between its "
         "GEMMs (FP8 weights on CUDA): torch (elementwise ops, the default) or triton (one kernel; "
         "not yet timed on a GPU).", core_env=True),
-    Key("portable_reduce", _choice("torch", "triton"), None,
+    Key("portable_reduce", _choice("auto", "torch", "triton"), None,
         "How the portable path sums a token's top-k combine slots on CUDA: torch (the default) or "
         "triton (one kernel; not yet timed on a GPU).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
