@@ -39,7 +39,7 @@ case "${STEP:-verify}" in
         -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" > "$OUT/$name.log" 2>&1
       echo "$build: $(tail -1 "$OUT/$name.log")"
     done
-    timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 1024 8192 \
+    timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
       --variants ${VARIANTS:-default mainloop=tma_wg mainloop=tma,stages=5,tile=32 mainloop=tma_wg,stages=5,tile=32} \
       --out "$OUT/probe_v4.json" 2>&1 | tail -22
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
