@@ -41,7 +41,7 @@ case "${STEP:-verify}" in
     done
     timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
       --variants ${VARIANTS:-default mainloop=tma_wg mainloop=tma,stages=5,tile=32 mainloop=tma_wg,stages=5,tile=32} \
-      --out "$OUT/probe_v4.json" 2>&1 | tail -22
+      --out "$OUT/probe_v4.json" 2>&1 | tail -26
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
       --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants default mainloop=tma_wg \
       --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
