@@ -165,21 +165,23 @@ def _apply(base: Choice, env: dict, shape: MoEShape, num_tokens: Optional[int], 
     return Choice(mainloop, 4 if mainloop == "ldg" else stages, tile)
 
 
+def _or_heuristic(bases: list[Choice]) -> tuple[list[Choice], dict]:
+    """The table's choices and the environment's overrides, or, without a table entry, the
+    heuristic with its tile chosen per call (an environment tile still wins)."""
+    env = env_overrides()
+    return (bases, env) if bases else ([HEURISTIC], {"tile": "auto", **env})
+
+
 def choose(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Choice:
     """The build for a call with `num_tokens` on this rank."""
-    env = env_overrides()
-    base = lookup(shape, fmt, num_ranks, num_tokens)
-    if base is None:
-        base, env = HEURISTIC, dict({"tile": "auto"}, **env)
+    found = lookup(shape, fmt, num_ranks, num_tokens)
+    (base,), env = _or_heuristic([found] if found else [])
     return _apply(base, env, shape, num_tokens, num_ranks)
 
 
 def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     """Every build `choose` can return for this layer (any tokens per rank), the family's first."""
-    env = env_overrides()
-    bases = [c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])]
-    if not bases:
-        bases, env = [HEURISTIC], dict({"tile": "auto"}, **env)
+    bases, env = _or_heuristic([c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])])
     out = []
     for base in bases:
         tiles = (32, 64) if env.get("tile") == "auto" else (None,)
