@@ -136,3 +136,15 @@ def test_doctor_names_the_build_and_reports_bad_settings(clean_env):
     assert doctor._sm90_build().startswith("8 tok/rank -> tma/4/32, 4096 tok/rank -> tma/4/64")
     clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "12")
     assert doctor._sm90_build().startswith("error: VLLM_MEGAMOE_SM90_STAGES='12'")
+
+
+def test_plugin_settings_offer_what_the_core_accepts():
+    """The plugin declares its choices literally (it imports no torch); they must not drift from
+    the core's lists."""
+    from vllm_megamoe import portable_settings
+    from vllm_megamoe.plugin.settings import KEYS
+    parse = {name: key.parse for name, key in KEYS.items()}
+    assert parse["sm90_mainloop"].choices == tu.MAINLOOPS
+    assert set(parse["sm90_token_tile"].choices) == {str(t) for t in tu.TILES} | {"auto"}
+    for knob in ("portable_scatter", "portable_activation", "portable_reduce"):
+        assert parse[knob].choices == portable_settings.CHOICES

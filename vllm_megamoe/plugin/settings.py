@@ -41,6 +41,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
         if s not in choices:
             raise ValueError(f"must be one of {list(choices)}")
         return s
+    parse.choices = choices  # what the core accepts: tests/test_sm90_tuning.py compares the lists
     return parse
 
 
