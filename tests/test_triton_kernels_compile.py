@@ -59,10 +59,10 @@ def test_swiglu_quantize_compiles_for_sm90():
 
 def test_topk_reduce_compiles_for_sm90():
     from vllm_megamoe import portable_combine
-    sig = {"combine_ptr": "*bf16", "topk_ptr": "*i32", "y_ptr": "*bf16", "tokens": "i32", "slot_pitch": "i32",
+    sig = {"combine_ptr": "*bf16", "topk_ptr": "*i32", "y_ptr": "*bf16", "slot_pitch": "i32",
            "row_pitch": "i32", "hidden": "i32", "TOPK": "constexpr", "BLOCK": "constexpr"}
     # Pointers, pitches and hidden are multiples of 16 for every supported layer (Triton
     # specialises them at run time): the slot rows are read with 16-byte vector loads.
-    ptx = _compile(portable_combine._reduce_kernel(), sig, {"TOPK": 8, "BLOCK": 1024}, (0, 1, 2, 4, 5, 6)).asm["ptx"]
+    ptx = _compile(portable_combine._reduce_kernel(), sig, {"TOPK": 8, "BLOCK": 1024}, (0, 1, 2, 3, 4, 5)).asm["ptx"]
     assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)) >= 8, "one vector load per live slot"
     assert "cvt.rn.bf16" in ptx  # one round-to-nearest conversion of the FP32 sums

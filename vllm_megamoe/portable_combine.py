@@ -26,6 +26,7 @@ import torch
 from . import portable_settings
 from .shape import check_tensor, require
 
+
 def scatter_setting() -> str:
     """The combine scatter the padded mode uses on CUDA: "triton" or "torch"."""
     return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_SCATTER")
@@ -102,7 +103,7 @@ def _reduce_kernel():
     # One program per (token, BLOCK columns): slots in order, masked routes skipped, FP32 sums
     # (the order of torch's sum over the slot dimension), one rounding to BF16.
     @triton.jit
-    def reduce_topk_slots(combine_ptr, topk_ptr, y_ptr, tokens, slot_pitch, row_pitch, hidden,
+    def reduce_topk_slots(combine_ptr, topk_ptr, y_ptr, slot_pitch, row_pitch, hidden,
                           TOPK: tl.constexpr, BLOCK: tl.constexpr):
         tok = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,7 +111,7 @@ def _reduce_kernel():
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(TOPK):
             if tl.load(topk_ptr + tok * TOPK + k) >= 0:
-                row = combine_ptr + k * slot_pitch + tok.to(tl.int64) * row_pitch
+                row = combine_ptr + k * slot_pitch.to(tl.int64) + tok.to(tl.int64) * row_pitch
                 acc += tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + tok.to(tl.int64) * hidden + cols, acc.to(tl.bfloat16), mask=mask)
 
@@ -128,6 +129,6 @@ def reduce_slots(buffer, topk_idx: torch.Tensor, hidden: int) -> torch.Tensor:
     if t == 0:
         return y
     block = 1024
-    _reduce_kernel()[(t, -(-hidden // block))](combine, topk_idx.to(torch.int32).contiguous(), y, t, t_max * pitch,
+    _reduce_kernel()[(t, -(-hidden // block))](combine, topk_idx.to(torch.int32).contiguous(), y, t_max * pitch,
                                                pitch, hidden, TOPK=k, BLOCK=block)
     return y
