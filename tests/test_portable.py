@@ -143,8 +143,8 @@ def test_cuda_buffer_refuses_ranks_without_peer_access(monkeypatch):
 
 
 @pytest.mark.parametrize("var,default", [("VLLM_MEGAMOE_PORTABLE_SCATTER", "auto"),
-                                         ("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "torch"),
-                                         ("VLLM_MEGAMOE_PORTABLE_REDUCE", "torch")])
+                                         ("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "auto"),
+                                         ("VLLM_MEGAMOE_PORTABLE_REDUCE", "auto")])
 def test_portable_kernel_settings_are_checked(monkeypatch, var, default):
     from vllm_megamoe import portable_activation, portable_combine, portable_settings
     read = {"VLLM_MEGAMOE_PORTABLE_SCATTER": portable_combine.scatter_setting,

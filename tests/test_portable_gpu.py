@@ -119,7 +119,8 @@ def test_triton_activation_one_gpu(mode, monkeypatch):
 @pytest.mark.gpu
 def test_triton_activation_matches_the_torch_ops():
     """The fused kernel against reference.swiglu + quant.quantize_fp8_tokens on random rows:
-    scales equal to the bit but for silu's last bits, dequantized rows within one FP8 step."""
+    scales equal but for silu's last bits, FP8 codes equal but on rounding boundaries, dequantized
+    rows within one FP8 step."""
     from vllm_megamoe import portable_activation, quant
     torch.manual_seed(0)
     rows, inter = 300, 512
@@ -135,7 +136,10 @@ def test_triton_activation_matches_the_torch_ops():
         want = quant.dequantize_fp8_tokens(q_ref[:250], s_ref[:250])
         step = s_ref[:250].repeat_interleave(128, dim=1) * 32  # one e4m3 step at the top of the range
         assert ((got - want).abs() <= step).all()
-        assert (got == want).float().mean() > 0.999
+        # A group's scale may differ from the reference's in its last bit (silu's exp), which
+        # changes every dequantized value of the group by as much; the FP8 codes themselves
+        # differ only where the value sits on a rounding boundary.
+        assert (q[:250].view(torch.uint8) == q_ref[:250].view(torch.uint8)).float().mean() > 0.999
 
 
 @pytest.mark.gpu

@@ -9,8 +9,8 @@ scales: the arithmetic of `reference.swiglu(..., round_to_bf16=True) * weight` f
 `quant.quantize_fp8_tokens(..., 128, "float")` (the same clamp, amax floor, scale and
 round-to-nearest division; silu's exp may differ from torch's in the last bits).
 
-VLLM_MEGAMOE_PORTABLE_ACTIVATION (portable_settings.py): torch (the default until it is timed on a
-GPU), triton or auto.
+VLLM_MEGAMOE_PORTABLE_ACTIVATION (portable_settings.py): auto (the default: triton when it
+imports), triton or torch.
 """
 from __future__ import annotations
 

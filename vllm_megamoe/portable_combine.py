@@ -14,8 +14,9 @@ with this kernel.
 
 The reduce, y[t] = sum over live slots k of combine[k][t] in FP32, is four torch kernels over a
 float copy of all K slots (convert, mask, sum, round); `reduce_slots` reads each live slot row
-once and writes y. VLLM_MEGAMOE_PORTABLE_REDUCE: torch (the default until it is timed on a GPU),
-triton or auto.
+once and writes y. VLLM_MEGAMOE_PORTABLE_REDUCE: auto (the default: triton when it imports),
+triton or torch. With the Triton activation (portable_activation.py) the portable path took
+0.91-0.97x of its all-torch time (2 x H200, the same four cases).
 """
 from __future__ import annotations
 

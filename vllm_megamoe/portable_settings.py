@@ -2,9 +2,9 @@
 
 Every knob takes `torch`, `triton` or `auto` (triton when the package imports):
     VLLM_MEGAMOE_PORTABLE_SCATTER      combine writes of the padded mode   (default auto)
-    VLLM_MEGAMOE_PORTABLE_ACTIVATION   SwiGLU x weight + FP8 requantization (default torch)
-    VLLM_MEGAMOE_PORTABLE_REDUCE       the top-k reduce                    (default torch)
-The two torch defaults stay until the Triton versions are timed on a GPU.
+    VLLM_MEGAMOE_PORTABLE_ACTIVATION   SwiGLU x weight + FP8 requantization (default auto)
+    VLLM_MEGAMOE_PORTABLE_REDUCE       the top-k reduce                    (default auto)
+`torch` keeps the ops any torch build runs (the CPU path always uses them).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from .shape import require
 
 CHOICES = ("auto", "torch", "triton")
 DEFAULTS = {"VLLM_MEGAMOE_PORTABLE_SCATTER": "auto",
-            "VLLM_MEGAMOE_PORTABLE_ACTIVATION": "torch",
-            "VLLM_MEGAMOE_PORTABLE_REDUCE": "torch"}
+            "VLLM_MEGAMOE_PORTABLE_ACTIVATION": "auto",
+            "VLLM_MEGAMOE_PORTABLE_REDUCE": "auto"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,7 +102,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("sm90_mainloop", _choice("ldg", "smem", "wgmma", "tma", "tma_wg"), None,
         "GEMM mainloop of the SM90 kernel, overriding the tuning table: tma (swizzled stages filled "
         "by TMA + warpgroup MMA; the table's and the heuristic's choice), wgmma (the same stages "
-        "filled with cp.async), tma_wg (tma without the CTA barrier per K chunk; not yet run on a GPU), "
+        "filled with cp.async), tma_wg (tma without the CTA barrier per K chunk; correct, not faster), "
         "smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
     Key("portable_scatter", _choice("auto", "torch", "triton"), None,
         "How the portable path's CUDA-graph (padded) mode writes combine rows: triton (one kernel, "
@@ -110,11 +110,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "imports; the default).", core_env=True),
     Key("portable_activation", _choice("auto", "torch", "triton"), None,
         "How the portable path computes SwiGLU x weight and the FP8 requantization between its "
-        "GEMMs (FP8 weights on CUDA): torch (elementwise ops, the default) or triton (one kernel; "
-        "not yet timed on a GPU).", core_env=True),
+        "GEMMs (FP8 weights on CUDA): triton (one kernel), torch (elementwise ops) or auto (triton "
+        "when it imports; the default).", core_env=True),
     Key("portable_reduce", _choice("auto", "torch", "triton"), None,
-        "How the portable path sums a token's top-k combine slots on CUDA: torch (the default) or "
-        "triton (one kernel; not yet timed on a GPU).", core_env=True),
+        "How the portable path sums a token's top-k combine slots on CUDA: triton (one kernel), "
+        "torch or auto (triton when it imports; the default).", core_env=True),
     Key("sm90_token_tile", _choice("32", "64", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
         "(wgmma / tma only; streams each weight tile half as often in prefill) or auto (64 from 48 "
