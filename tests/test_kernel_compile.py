@@ -169,16 +169,17 @@ FUSED_CASES = [("v4-flash", 4096, 2048, 256, 6), ("deepseek-v3", 7168, 2048, 256
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma", "wgmma-64", "tma", "tma-64", "tma_wg", "tma_wg-64"])
+@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma", "wgmma-64", "tma", "tma-64", "tma-128", "tma_wg",
+                                      "tma_wg-64"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 @pytest.mark.parametrize("name,hidden,inter,experts,topk", FUSED_CASES)
 def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, hidden, inter, experts, topk, fmt,
                                               mainloop):
     """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
-    with every mainloop (and 64-token tiles for wgmma); the shared memory it declares fits next to
+    with every mainloop (and 64- / 128-token tiles for wgmma / TMA); the shared memory it declares fits next to
     the dynamic mainloop stages."""
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop.split("-")[0])
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64" if mainloop.endswith("-64") else "32")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", mainloop.split("-")[1] if "-" in mainloop else "32")
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 

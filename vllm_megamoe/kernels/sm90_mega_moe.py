@@ -43,7 +43,7 @@ def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int =
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
     ExpertTable), the epilogue tile (expert_gemm.cuh EpilogueSmem) and 1 KB of headroom."""
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
-    epilogue = 8 * tile_tokens * 4 + tile_tokens * TILE_ROWS * 2
+    epilogue = 8 * tile_tokens * 4 + min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
     return table + epilogue + 1024
 
 

@@ -2,7 +2,7 @@
 
 Three sources, strongest first:
 1. environment overrides, each replacing one field for every call: VLLM_MEGAMOE_SM90_MAINLOOP,
-   VLLM_MEGAMOE_SM90_STAGES, VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64 or auto);
+   VLLM_MEGAMOE_SM90_STAGES, VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64, 128 or auto);
 2. the tuning table, configs/sm90_mega_moe.yaml (shipped inside the package; another file with
    VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
    bucket of tokens per rank, written by `python -m benchmarks.tune_sm90` from kernel_probe runs
@@ -25,9 +25,10 @@ from typing import Optional
 from ..shape import MoEShape, require
 
 MAINLOOPS = ("ldg", "smem", "wgmma", "tma", "tma_wg")
-WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")  # swizzled stages + wgmma: 64-token tiles possible
+WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")  # swizzled stages + wgmma: 64- and 128-token tiles possible
 TMA_MAINLOOPS = ("tma", "tma_wg")             # stages filled by TMA: the launch passes tensor maps
-TILES = (32, 64)
+TILES = (32, 64, 128)
+MAX_STAGES_128 = 3  # 128-token tiles: 48 KB per stage, so 3 stages next to the scale tables and epilogue
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
 TABLE_NAME = "sm90_mega_moe.yaml"
 
@@ -43,7 +44,7 @@ class Choice:
         require(2 <= self.stages <= 8, f"stages={self.stages} must be in [2, 8]")
         require(self.tile in TILES, f"token tile {self.tile} must be one of {TILES}")
         require(self.tile == 32 or self.mainloop in WGMMA_MAINLOOPS,
-                f"64-token tiles need the wgmma, tma or tma_wg mainloop (not {self.mainloop!r})")
+                f"{self.tile}-token tiles need the wgmma, tma or tma_wg mainloop (not {self.mainloop!r})")
         require(self.mainloop != "ldg" or self.stages == 4, "the ldg mainloop has no stages (leave 4)")
 
     def label(self) -> str:
@@ -67,12 +68,13 @@ def env_overrides() -> dict:
         out["stages"] = int(raw)
     raw = os.environ.get("VLLM_MEGAMOE_SM90_TOKEN_TILE")
     if raw is not None:
-        require(raw in ("32", "64", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64 or auto")
+        require(raw in ("32", "64", "128", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64, 128 or auto")
         out["tile"] = raw if raw == "auto" else int(raw)
-    if out.get("tile") == 64:
+    if out.get("tile") in (64, 128):
         mainloop = out.get("mainloop", HEURISTIC.mainloop)
         require(mainloop in WGMMA_MAINLOOPS,
-                f"VLLM_MEGAMOE_SM90_TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma, tma or tma_wg (it is {mainloop!r})")
+                f"VLLM_MEGAMOE_SM90_TOKEN_TILE={out['tile']} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma, tma or tma_wg "
+                f"(it is {mainloop!r})")
     return out
 
 
@@ -160,8 +162,10 @@ def _apply(base: Choice, env: dict, shape: MoEShape, num_tokens: Optional[int], 
     tile = env.get("tile", base.tile)
     if tile == "auto":
         tile = 32 if num_tokens is None else auto_tile(shape, num_tokens, num_ranks, mainloop)
-    if tile == 64 and mainloop not in WGMMA_MAINLOOPS:
-        tile = 32  # a table's 64 under an environment mainloop without wgmma
+    if tile > 32 and mainloop not in WGMMA_MAINLOOPS:
+        tile = 32  # a table's 64 / 128 under an environment mainloop without wgmma
+    if tile == 128 and "stages" not in env:
+        stages = min(stages, MAX_STAGES_128)  # an explicit depth that does not fit gets the op's smem error
     return Choice(mainloop, 4 if mainloop == "ldg" else stages, tile)
 
 

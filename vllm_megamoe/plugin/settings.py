@@ -115,10 +115,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("portable_reduce", _choice("auto", "torch", "triton"), None,
         "How the portable path sums a token's top-k combine slots on CUDA: triton (one kernel), "
         "torch or auto (triton when it imports; the default).", core_env=True),
-    Key("sm90_token_tile", _choice("32", "64", "auto"), None,
+    Key("sm90_token_tile", _choice("32", "64", "128", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
-        "(wgmma / tma only; streams each weight tile half as often in prefill) or auto (64 from 48 "
-        "expected rows per expert).", core_env=True),
+        "or 128 (wgmma / tma only; each weight tile streamed 2x / 4x less often in prefill; 128 "
+        "runs at most 3 stages) or auto (64 from 48 expected rows per expert).", core_env=True),
     Key("sm90_tuning", _text, None,
         "YAML tuning table of the SM90 kernel (default: the packaged configs/sm90_mega_moe.yaml).",
         core_env=True),

@@ -85,10 +85,15 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
           me.staging_l2_scale(), kBufInter / kScaleBlock};
 }
 
+// The L2 epilogue goes through shared memory in passes of up to 64 tokens (a 128-token tile's
+// [128][256] BF16 rows would take 64 KB next to the mainloop's stages); L1's [tokens][128]
+// FP8 / BF16 tile fits the same bytes.
+constexpr u32 kL2PassTokens = kTileTokens < 64 ? kTileTokens : 64;
 struct EpilogueSmem {
   float amax[kNumWarps][kTileTokens];
-  alignas(16) u8 tile[kTileTokens * kTileRows * 2];  // L1: [tokens][128] fp8/bf16; L2: [tokens][256] bf16
+  alignas(16) u8 tile[kL2PassTokens * kTileRows * 2];  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
 };
+static_assert(kTileTokens * 128 * kElemBytes <= sizeof(EpilogueSmem::tile), "the L1 epilogue tile does not fit");
 
 // task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
@@ -109,8 +114,8 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     task_gemm<kHidden>(acc, mainloop, st, op, nullptr, p);
   }
 
-  // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel.
-  float act[2][kTokenTiles][2];
+  // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel. The
+  // activation replaces the gate value in acc (a separate array spills with 128-token tiles).
   float tok_amax[kTokenTiles][2];
 #pragma unroll
   for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
@@ -127,7 +132,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
           up = fminf(fmaxf(up, -p.clamp), p.clamp);
         }
         const float v = silu(gate) * up * w;
-        act[mt][nt][j] = v;
+        acc.v[mt][nt][j] = v;
         tok_amax[nt][j] = fmaxf(tok_amax[nt][j], fabsf(v));
       }
     }
@@ -163,9 +168,9 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
       for (int mt = 0; mt < 2; ++mt) {
         const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
         if constexpr (kFP8) {
-          smem.tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(act[mt][nt][j] / scale, 0.0f) & 0xff);
+          smem.tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(acc.v[mt][nt][j] / scale, 0.0f) & 0xff);
         } else {
-          reinterpret_cast<u16*>(smem.tile)[tok * 128 + channel] = f32_to_bf16(act[mt][nt][j]);
+          reinterpret_cast<u16*>(smem.tile)[tok * 128 + channel] = f32_to_bf16(acc.v[mt][nt][j]);
         }
       }
     }
@@ -203,26 +208,51 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   } else {
     task_gemm<kInter>(acc, mainloop, st, op, nullptr, p);
   }
-  u16* tile = reinterpret_cast<u16*>(smem.tile);  // [32 tokens][256 channels] bf16
+  // Rounded to BF16 pairs first: half the registers stay live through the passes' stores.
+  u32 out[2][kTokenTiles][2];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
+    for (u32 nt = 0; nt < kTokenTiles; ++nt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
-        const u32 tok = nt * 8 + 2 * t4 + (j & 1);
-        tile[tok * kTileRows + channel] = f32_to_bf16(acc.v[mt][nt][j]);
-      }
-  __syncthreads();
-  // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank.
-  for (u32 tok = warp; tok < t.num_rows; tok += kNumWarps) {
-    const int4 meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + tok);
-    Regions src{p.peers[meta.x]};
-    u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
-    reinterpret_cast<uint4*>(dst)[lane] = reinterpret_cast<const uint4*>(tile + tok * kTileRows)[lane];
+      for (int h = 0; h < 2; ++h)
+        out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
+  u16* tile = reinterpret_cast<u16*>(smem.tile);  // [pass tokens][256 channels] bf16
+  constexpr u32 kPassTiles = kL2PassTokens / 8;
+#pragma unroll
+  for (u32 pass = 0; pass < kTileTokens / kL2PassTokens; ++pass) {
+    const u32 pass_tok0 = pass * kL2PassTokens;
+    if (pass_tok0 >= t.num_rows) break;  // uniform over the CTA
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (u32 pt = 0; pt < kPassTiles; ++pt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
+          const u32 tok = pt * 8 + 2 * t4 + (j & 1);
+          tile[tok * kTileRows + channel] = static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
+        }
+    __syncthreads();
+    // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank;
+    // lane i loads the (rank, token, slot) of the warp's i-th row up front, one load in flight per lane.
+    const u32 pass_rows = t.num_rows - pass_tok0 < kL2PassTokens ? t.num_rows - pass_tok0 : kL2PassTokens;
+    static_assert(kL2PassTokens <= 32 * kNumWarps, "one row per lane and warp");
+    int4 my_meta = make_int4(0, 0, 0, 0);
+    if (warp + kNumWarps * lane < pass_rows)
+      my_meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + pass_tok0 + warp + kNumWarps * lane);
+#pragma unroll 1
+    for (u32 i = 0, tok = warp; tok < pass_rows; ++i, tok += kNumWarps) {
+      int4 meta;
+      meta.x = __shfl_sync(0xffffffffu, my_meta.x, i);
+      meta.y = __shfl_sync(0xffffffffu, my_meta.y, i);
+      meta.z = __shfl_sync(0xffffffffu, my_meta.z, i);
+      Regions src{p.peers[meta.x]};
+      u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
+      reinterpret_cast<uint4*>(dst)[lane] = reinterpret_cast<const uint4*>(tile + tok * kTileRows)[lane];
+    }
+    __syncthreads();
   }
-  __syncthreads();
 }
 
 }  // namespace megamoe::mega

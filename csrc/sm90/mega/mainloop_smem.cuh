@@ -278,7 +278,7 @@ MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const 
   for (int mt = 0; mt < 2; ++mt) promote_tile_smem(acc.v[mt], &part.v[mt][0][0], sm, kb, ntiles);
 }
 
-// FP8 with 64-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
+// FP8 with 64- and 128-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
 // once, so one partial accumulator (32 floats) is live instead of two (register pressure).
 MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb, u32 ntiles) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
@@ -302,7 +302,7 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
     if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
     else mma_chunk(acc, sm, stage, ntiles);
   } else {
-    if constexpr (kWgmma && kTileTokens == 64) {
+    if constexpr (kWgmma && kTileTokens >= 64) {
       wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);
     } else {
       WarpAcc part;
