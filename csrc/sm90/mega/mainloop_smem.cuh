@@ -100,6 +100,13 @@ template <int N>
 MEGAMOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 MEGAMOE_DEVICE u32 lds_u32(const u8* p) { return *reinterpret_cast<const u32*>(p); }
+// The mainloop's shared memory is reached through a pointer computed from the dynamic smem base,
+// which the compiler only knows as generic: the scale reads of every promotion say shared.
+MEGAMOE_DEVICE float lds_f32(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)));
+  return v;
+}
 
 // Chunks this CTA has issued in the current phase (a chunk's stage is its sequence number modulo
 // the stage count), and whether the previous task's last iterations already issued the first
@@ -261,11 +268,11 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
 MEGAMOE_DEVICE void promote_tile_smem(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const MainloopSmem& sm,
                                       u32 kb, u32 ntiles) {
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
-  const float w_lo = sm.w_scale[warp][0][kb], w_hi = sm.w_scale[warp][1][kb];
+  const float w_lo = lds_f32(&sm.w_scale[warp][0][kb]), w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
 #pragma unroll
   for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt) {
     if (nt >= ntiles) break;
-    const float t0 = sm.tok_scale[nt * 8 + 2 * t4][kb], t1 = sm.tok_scale[nt * 8 + 2 * t4 + 1][kb];
+    const float t0 = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4][kb]), t1 = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4 + 1][kb]);
     acc_mt[nt][0] += part_mt[nt * 4 + 0] * w_lo * t0;
     acc_mt[nt][1] += part_mt[nt * 4 + 1] * w_lo * t1;
     acc_mt[nt][2] += part_mt[nt * 4 + 2] * w_hi * t0;
@@ -278,7 +285,7 @@ MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const 
   for (int mt = 0; mt < 2; ++mt) promote_tile_smem(acc.v[mt], &part.v[mt][0][0], sm, kb, ntiles);
 }
 
-// FP8 with 64- and 128-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
+// FP8 with 128-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
 // once, so one partial accumulator (32 floats) is live instead of two (register pressure).
 MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb, u32 ntiles) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
@@ -296,14 +303,40 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& 
   }
 }
 
+// FP8 with 32- and 64-token tiles: both m64 wgmmas of a chunk issued as two commit groups into two
+// partials, so the first one's promotion runs while the tensor cores still work on the second
+// (one wait per chunk left the tensor cores idle during every promotion).
+MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb,
+                                                   u32 ntiles) {
+  const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
+  float part0[kAccum], part1[kAccum];
+  fence_accumulators(part0);
+  fence_accumulators(part1);
+  wgmma_fence();
+  wgmma_k_steps(stage_desc_a(sm, stage, 0), desc_b, part0, false);
+  wgmma_commit_group();
+  wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, part1, false);
+  wgmma_commit_group();
+  fence_accumulators(part0);
+  fence_accumulators(part1);
+  wgmma_wait_group<1>();
+  fence_accumulators(part0);
+  promote_tile_smem(acc.v[0], part0, sm, kb, ntiles);
+  wgmma_wait_group<0>();
+  fence_accumulators(part1);
+  promote_tile_smem(acc.v[1], part1, sm, kb, ntiles);
+}
+
 // acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
 MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
   if constexpr (!kFP8) {
     if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
     else mma_chunk(acc, sm, stage, ntiles);
   } else {
-    if constexpr (kWgmma && kTileTokens >= 64) {
-      wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);
+    if constexpr (kWgmma && kTileTokens == 128) {
+      wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);  // two 64-float partials do not fit
+    } else if constexpr (kWgmma) {
+      wgmma_chunk_promote_overlapped(acc, sm, stage, c, ntiles);
     } else {
       WarpAcc part;
       if constexpr (kWgmma) {
