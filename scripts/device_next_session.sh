@@ -16,6 +16,7 @@
 #                (FP8 + BF16, 1-8192 tokens per rank with 4096, SGLang: carry .whl, set MEGAMOE_COMMIT),
 #                then, if time is left, a probe of 5 TMA stages at decode and the portable path's
 #                one-GPU CUDA-graph tests
+#   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
 #                about the per-rank expert load of 8-16 tokens per rank at EP2)
 # Usage: STEP=verify bash scripts/device_next_session.sh   (results in $OUT)
@@ -95,5 +96,15 @@ case "${STEP:-verify}" in
       python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash --tokens ${TOKENS:-64} --iters 3 \
       > "$OUT/ncu.txt" 2>&1
     grep -E "Throughput|Duration|Stall|Issued|Bandwidth|Hit Rate" "$OUT/ncu.txt" | head -60 ;;
+  ncu_src)  # stall samples per SASS instruction of one launch (one GPU, V4-Flash-like, TOKENS per rank)
+    timeout 400 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
+      --section WarpStateStats --section SourceCounters --section SpeedOfLight -o "$OUT/rep" \
+      python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash --tokens ${TOKENS:-4096} --iters 3 \
+      --format ${FORMAT:-fp8-block} > "$OUT/ncu_run.txt" 2>&1
+    tail -3 "$OUT/ncu_run.txt"
+    ncu --import "$OUT/rep.ncu-rep" --page source --csv --print-source sass > "$OUT/source.csv" 2> "$OUT/source.err"
+    ncu --import "$OUT/rep.ncu-rep" --page details > "$OUT/details.txt" 2>&1
+    grep -E "Duration|Throughput|Issued|Stall" "$OUT/details.txt" | head -30
+    wc -c "$OUT/source.csv"; head -c 600 "$OUT/source.csv"; rm -f "$OUT/rep.ncu-rep" ;;
   *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable or ncu"; exit 2 ;;
 esac

@@ -63,6 +63,23 @@ def test_environment_overrides_the_table(clean_env, tmp_path):
     assert tu.choose(V4, "fp8-block", 2, 8) == Choice("smem", 3, 32)
 
 
+def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
+    """The table's 5 stages are for 32-token tiles; a larger tile from the environment runs as many
+    stages as fit (4 for 64 tokens, 3 for 128), an explicit depth stays (the op refuses it)."""
+    from vllm_megamoe.kernels import sm90_smem
+    path = _table(tmp_path, [{"max_tokens": 100000, "mainloop": "tma", "stages": 5, "tile": 32}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 5, 32)
+    for tile, stages in (("64", 4), ("128", 3), ("auto", 4)):
+        clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
+        c = tu.choose(V4, "fp8-block", 2, 8192)
+        assert (c.tile, c.stages) == (int(tile) if tile != "auto" else 64, stages)
+        assert sm90_smem.fits(V4, 2, "tma", c.stages, c.tile)
+        assert not sm90_smem.fits(V4, 2, "tma", c.stages + 1, c.tile)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "5")
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 5, 64)
+
+
 def test_auto_tile_follows_rows_per_expert(clean_env):
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "auto")
     # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.
@@ -81,7 +98,7 @@ def test_bad_settings_are_named(clean_env, tmp_path):
     with pytest.raises(ValueError, match="TOKEN_TILE=64 needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma, tma or tma_wg"):
         tu.choose(V4, "fp8-block", 2, 8)
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "48")
-    with pytest.raises(ValueError, match="must be 32, 64 or auto"):
+    with pytest.raises(ValueError, match="must be 32, 64, 128 or auto"):
         tu.choose(V4, "fp8-block", 2, 8)
     clean_env.delenv("VLLM_MEGAMOE_SM90_TOKEN_TILE")
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "cutlass")

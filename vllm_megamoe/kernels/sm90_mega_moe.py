@@ -17,6 +17,7 @@ from ..buffer import SymmBuffer
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
+from .sm90_smem import SMEM_PER_BLOCK, TILE_ROWS, mainloop_smem_bytes, static_smem_bytes
 from .sm90_tuning import TMA_MAINLOOPS, WGMMA_MAINLOOPS, Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
@@ -24,7 +25,6 @@ ENTRY = "megamoe_sm90_fused"
 NUM_THREADS = 256
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 512
-TILE_ROWS = 256
 # Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
 #   "tma" (the heuristic's): the wgmma stages filled by TMA box copies on per-stage mbarriers (one
 #     issuing thread; H200 EP2, three shapes, 1-8192 tokens per rank: 1.03-1.16x faster than wgmma);
@@ -36,30 +36,6 @@ TILE_ROWS = 256
 #   "ldg": fragments loaded straight from global memory (the first version).
 # Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
 MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3, "tma_wg": 4}
-SMEM_PER_BLOCK = 227 * 1024
-
-
-def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
-    """An upper bound of the kernel's static shared memory: the expert table (params.cuh
-    ExpertTable), the epilogue tile (expert_gemm.cuh EpilogueSmem) and 1 KB of headroom."""
-    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
-    epilogue = 8 * tile_tokens * 4 + min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
-    return table + epilogue + 1024
-
-
-def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", tile_tokens: int = 32) -> int:
-    """sizeof(MainloopSmem) plus alignment slack: the cp.async stages (rows padded to 144 bytes,
-    or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
-    one task. The kernel static_asserts the same number."""
-    max_kblocks = max(shape.hidden, shape.intermediate) // 128
-    row, align = (128, 1024) if variant in WGMMA_MAINLOOPS else (144, 16)
-    struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
-    if variant in TMA_MAINLOOPS:
-        struct += 8 * stages  # one mbarrier per stage
-    if variant == "tma_wg":
-        struct += 4 * stages  # one release counter per stage
-    struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
-    return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 
 
 class _Params(ctypes.Structure):

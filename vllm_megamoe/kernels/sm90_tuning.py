@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Optional
 
 from ..shape import MoEShape, require
+from .sm90_smem import TMA_MAINLOOPS, WGMMA_MAINLOOPS, fits
 
 MAINLOOPS = ("ldg", "smem", "wgmma", "tma", "tma_wg")
-WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")  # swizzled stages + wgmma: 64- and 128-token tiles possible
-TMA_MAINLOOPS = ("tma", "tma_wg")             # stages filled by TMA: the launch passes tensor maps
+# WGMMA_MAINLOOPS: swizzled stages + wgmma, 64- and 128-token tiles possible; TMA_MAINLOOPS: stages
+# filled by TMA, the launch passes tensor maps.
 TILES = (32, 64, 128)
-MAX_STAGES_128 = 3  # 128-token tiles: 48 KB per stage, so 3 stages next to the scale tables and epilogue
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
 TABLE_NAME = "sm90_mega_moe.yaml"
 
@@ -164,8 +164,10 @@ def _apply(base: Choice, env: dict, shape: MoEShape, num_tokens: Optional[int], 
         tile = 32 if num_tokens is None else auto_tile(shape, num_tokens, num_ranks, mainloop)
     if tile > 32 and mainloop not in WGMMA_MAINLOOPS:
         tile = 32  # a table's 64 / 128 under an environment mainloop without wgmma
-    if tile == 128 and "stages" not in env:
-        stages = min(stages, MAX_STAGES_128)  # an explicit depth that does not fit gets the op's smem error
+    if "stages" not in env:  # e.g. a table's 5 stages of 32-token tiles under a 64-token override:
+        while stages > 2 and not fits(shape, num_ranks, mainloop, stages, tile):  # as deep as fits
+            stages -= 1
+    # (an explicit VLLM_MEGAMOE_SM90_STAGES that does not fit gets the op's shared-memory error)
     return Choice(mainloop, 4 if mainloop == "ldg" else stages, tile)
 
 

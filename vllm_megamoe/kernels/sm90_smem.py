@@ -1,0 +1,43 @@
+"""Shared memory of the fused SM90 kernel's builds, computed on the host: the same formulas the
+kernel static_asserts (csrc/sm90/mega/mainloop_smem.cuh MainloopSmem, expert_gemm.cuh
+EpilogueSmem, params.cuh ExpertTable), so a build that cannot fit is refused or avoided before
+it is compiled. Free of torch: the tuning rules (sm90_tuning) use it too."""
+from __future__ import annotations
+
+from ..shape import MoEShape
+
+TILE_ROWS = 256                 # weight rows per GEMM task
+SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
+WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")
+TMA_MAINLOOPS = ("tma", "tma_wg")
+
+
+def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
+    """An upper bound of the kernel's static shared memory: the expert table (params.cuh
+    ExpertTable), the epilogue tile (expert_gemm.cuh EpilogueSmem) and 1 KB of headroom."""
+    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
+    epilogue = 8 * tile_tokens * 4 + min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
+    return table + epilogue + 1024
+
+
+def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", tile_tokens: int = 32) -> int:
+    """sizeof(MainloopSmem) plus alignment slack: the cp.async stages (rows padded to 144 bytes,
+    or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
+    one task. The kernel static_asserts the same number."""
+    max_kblocks = max(shape.hidden, shape.intermediate) // 128
+    row, align = (128, 1024) if variant in WGMMA_MAINLOOPS else (144, 16)
+    struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
+    if variant in TMA_MAINLOOPS:
+        struct += 8 * stages  # one mbarrier per stage
+    if variant == "tma_wg":
+        struct += 4 * stages  # one release counter per stage
+    struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
+    return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
+
+
+def fits(shape: MoEShape, num_ranks: int, mainloop: str, stages: int, tile_tokens: int) -> bool:
+    """Whether the build's dynamic and static shared memory fit one CTA (ldg has no stages)."""
+    if mainloop == "ldg":
+        return True
+    return (mainloop_smem_bytes(shape, stages, mainloop, tile_tokens)
+            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens)) <= SMEM_PER_BLOCK
