@@ -178,6 +178,8 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
     """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
     with every mainloop (and 64- / 128-token tiles for wgmma / TMA); the shared memory it declares fits next to
     the dynamic mainloop stages."""
+    if fmt == "fp8-block" and mainloop.endswith("-128"):
+        pytest.skip("128-token tiles are BF16 only (test_fp8_refuses_128_token_tiles)")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop.split("-")[0])
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", mainloop.split("-")[1] if "-" in mainloop else "32")
     from vllm_megamoe import BufferLayout, MoEShape
@@ -197,6 +199,20 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
     static = re.search(r"(\d+) bytes smem", compiled.log)
     if static:  # ptxas reports static shared memory; dynamic stages come on top of it
         assert int(static.group(1)) + sm90_mega_moe.dynamic_smem_bytes(spec) <= 227 * 1024
+
+
+def test_fp8_refuses_128_token_tiles(monkeypatch):
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    with pytest.raises(ValueError, match="128-token tiles are BF16 only"):
+        sm90_mega_moe.kernel_spec(shape, _Buf())
 
 
 def test_error_record_phases_match_the_kernel():

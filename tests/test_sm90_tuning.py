@@ -80,6 +80,15 @@ def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
     assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 5, 64)
 
 
+def test_auto_tile_128_is_bf16_only(clean_env):
+    # 256 expected rows per local expert: 256 * 256 / (2 * 6) = 5462 tokens per rank
+    assert tu.choose(V4, "bf16", 2, 5462) == Choice("tma", 3, 128)  # 4 stages do not fit 128 tokens
+    assert tu.choose(V4, "bf16", 2, 5461) == Choice("tma", 4, 64)
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 64)
+    assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 3, 128)]
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
+
+
 def test_auto_tile_follows_rows_per_expert(clean_env):
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "auto")
     # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.

@@ -83,6 +83,9 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
 
 def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice) -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
+    require(not (fmt == "fp8-block" and choice.tile == 128),
+            "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
+            "set VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,

@@ -9,7 +9,8 @@ Three sources, strongest first:
    (read once per process: the op consults it on every call);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
-   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32.
+   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; BF16 128-token tiles from
+   AUTO_TILE_128_ROWS_PER_EXPERT (FP8 has no 128-token build).
 Ranks with different token counts may pick different builds in one call: the protocol between
 ranks does not depend on the build, and every build a layer may use is compiled before the first
 call's rank alignment (`choices`).
@@ -30,6 +31,9 @@ MAINLOOPS = ("ldg", "smem", "wgmma", "tma", "tma_wg")
 # filled by TMA, the launch passes tensor maps.
 TILES = (32, 64, 128)
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
+# BF16, tile "auto": 128 from this many (2 x H200, EP2: 1.08-1.11x at 384-1024 rows per expert,
+# even at 128, 0.94x at 48)
+AUTO_TILE_128_ROWS_PER_EXPERT = 256
 TABLE_NAME = "sm90_mega_moe.yaml"
 
 
@@ -78,12 +82,20 @@ def env_overrides() -> dict:
     return out
 
 
-def auto_tile(shape: MoEShape, num_tokens: int, num_ranks: int, mainloop: str) -> int:
-    """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT."""
+def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str) -> int:
+    """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT, 128
+    (BF16) from AUTO_TILE_128_ROWS_PER_EXPERT."""
     if mainloop not in WGMMA_MAINLOOPS:
         return 32
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
+    if fmt == "bf16" and rows_per_expert >= AUTO_TILE_128_ROWS_PER_EXPERT:
+        return 128
     return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
+
+
+def auto_tiles(fmt: str) -> tuple:
+    """Every tile auto_tile can pick for the format."""
+    return (32, 64, 128) if fmt == "bf16" else (32, 64)
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -156,12 +168,12 @@ def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Option
 
 
 # -- what a call runs -------------------------------------------------------------------------
-def _apply(base: Choice, env: dict, shape: MoEShape, num_tokens: Optional[int], num_ranks: int) -> Choice:
+def _apply(base: Choice, env: dict, shape: MoEShape, fmt: str, num_tokens: Optional[int], num_ranks: int) -> Choice:
     mainloop = env.get("mainloop", base.mainloop)
     stages = env.get("stages", base.stages if mainloop != "ldg" else 4)
     tile = env.get("tile", base.tile)
     if tile == "auto":
-        tile = 32 if num_tokens is None else auto_tile(shape, num_tokens, num_ranks, mainloop)
+        tile = 32 if num_tokens is None else auto_tile(shape, fmt, num_tokens, num_ranks, mainloop)
     if tile > 32 and mainloop not in WGMMA_MAINLOOPS:
         tile = 32  # a table's 64 / 128 under an environment mainloop without wgmma
     if "stages" not in env:  # e.g. a table's 5 stages of 32-token tiles under a 64-token override:
@@ -182,7 +194,7 @@ def choose(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Choice
     """The build for a call with `num_tokens` on this rank."""
     found = lookup(shape, fmt, num_ranks, num_tokens)
     (base,), env = _or_heuristic([found] if found else [])
-    return _apply(base, env, shape, num_tokens, num_ranks)
+    return _apply(base, env, shape, fmt, num_tokens, num_ranks)
 
 
 def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
@@ -190,10 +202,10 @@ def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     bases, env = _or_heuristic([c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])])
     out = []
     for base in bases:
-        tiles = (32, 64) if env.get("tile") == "auto" else (None,)
+        tiles = auto_tiles(fmt) if env.get("tile") == "auto" else (None,)
         for tile in tiles:
             override = dict(env, tile=tile) if tile is not None else env
-            c = _apply(base, override, shape, None, num_ranks)
+            c = _apply(base, override, shape, fmt, None, num_ranks)
             if c not in out:
                 out.append(c)
     return out

@@ -76,6 +76,9 @@ static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for th
 static_assert(kNumRanks <= 8, "this kernel addresses at most 8 ranks");
 static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) && MEGAMOE_SMEM_MAINLOOP >= 2),
               "token tiles are 32 rows, or 64 / 128 with the wgmma / tma mainloops");
+// FP8 promotes two 64-float partials per chunk next to 128 accumulators at 128 tokens: spills,
+// and slower than 64-token tiles once the promotion overlaps the wgmmas (measured).
+static_assert(!(kFP8 && kTileTokens == 128), "128-token tiles are BF16 only");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 

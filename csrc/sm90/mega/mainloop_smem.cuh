@@ -227,10 +227,18 @@ MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt) {
   return make_smem_desc_k_major_sw128(sm.a[stage] + ((threadIdx.x / 128) * 128 + mt * 64) * kStagedRow);
 }
 
-MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, bool accumulate) {
+// BF16 with the TMA stages: a chunk's wgmmas are left in flight while the next chunk's are
+// issued (wait_group 1), so the tensor cores never drain between chunks; the K loop then streams
+// S - 2 chunks ahead instead of S - 1, since the stage it refills held the chunk before last.
+constexpr bool kDeferWgmmaWait = !kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
+
+// acc (+)= one staged chunk (BF16), the chunk's wgmmas one commit group; returns with at most
+// kPending groups of this warpgroup still in flight.
+template <int kPending>
+MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage, bool accumulate) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
-  float(&d0)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&part.v[0][0][0]);
-  float(&d1)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&part.v[1][0][0]);
+  float(&d0)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]);
+  float(&d1)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]);
   fence_accumulators(d0);
   fence_accumulators(d1);
   wgmma_fence();
@@ -239,7 +247,7 @@ MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage
   wgmma_commit_group();
   fence_accumulators(d0);
   fence_accumulators(d1);
-  wgmma_wait_group<0>();
+  wgmma_wait_group<kPending>();
   fence_accumulators(d0);
   fence_accumulators(d1);
 }
@@ -262,52 +270,43 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
   }
 }
 
-// acc += part x weight scale x token scale for 128-K block kb, scales read from shared memory.
-// acc_mt += part_mt x weight scale x token scale for 128-K block kb, one m16 tile row group
-// (acc.v[mt] / the same layout of an m64nN partial), scales read from shared memory.
-MEGAMOE_DEVICE void promote_tile_smem(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const MainloopSmem& sm,
-                                      u32 kb, u32 ntiles) {
+// The scales of one 128-K block's promotion: this warp's two weight-scale rows (fragment rows g
+// and g + 8, the same for both m64 / m16 row groups) and the token scales of this lane's columns.
+// Read from shared memory before the wgmma wait, so their latency hides behind the tensor cores
+// (read after it, and one token tile at a time, they were a third of the kernel's stall samples).
+struct PromoteScales {
+  float w_lo, w_hi;
+  float tok[kTokenTiles][2];
+};
+
+MEGAMOE_DEVICE void load_promote_scales(PromoteScales& s, const MainloopSmem& sm, u32 kb) {
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
-  const float w_lo = lds_f32(&sm.w_scale[warp][0][kb]), w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
+  s.w_lo = lds_f32(&sm.w_scale[warp][0][kb]);
+  s.w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
 #pragma unroll
-  for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt) {
-    if (nt >= ntiles) break;
-    const float t0 = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4][kb]), t1 = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4 + 1][kb]);
-    acc_mt[nt][0] += part_mt[nt * 4 + 0] * w_lo * t0;
-    acc_mt[nt][1] += part_mt[nt * 4 + 1] * w_lo * t1;
-    acc_mt[nt][2] += part_mt[nt * 4 + 2] * w_hi * t0;
-    acc_mt[nt][3] += part_mt[nt * 4 + 3] * w_hi * t1;
+  for (u32 nt = 0; nt < kTokenTiles; ++nt) {
+    s.tok[nt][0] = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4][kb]);
+    s.tok[nt][1] = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4 + 1][kb]);
   }
 }
 
-MEGAMOE_DEVICE void promote_block_smem(WarpAcc& acc, const WarpAcc& part, const MainloopSmem& sm, u32 kb, u32 ntiles) {
+// acc_mt += part_mt x weight scale x token scale, one row group (acc.v[mt] / the same layout of
+// an m64nN partial). Every token column, those past the task's rows included: their products are
+// finite (scales of the last valid row) and never stored.
+MEGAMOE_DEVICE void promote_tile(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const PromoteScales& s) {
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) promote_tile_smem(acc.v[mt], &part.v[mt][0][0], sm, kb, ntiles);
-}
-
-// FP8 with 128-token tiles: the two m64 wgmmas of a chunk one after the other, each promoted at
-// once, so one partial accumulator (32 floats) is live instead of two (register pressure).
-MEGAMOE_DEVICE void wgmma_chunk_promote_split(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb, u32 ntiles) {
-  const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
-#pragma unroll
-  for (u32 mt = 0; mt < 2; ++mt) {
-    float part[kAccum];
-    fence_accumulators(part);
-    wgmma_fence();
-    wgmma_k_steps(stage_desc_a(sm, stage, mt), desc_b, part, false);
-    wgmma_commit_group();
-    fence_accumulators(part);
-    wgmma_wait_group<0>();
-    fence_accumulators(part);
-    promote_tile_smem(acc.v[mt], part, sm, kb, ntiles);
+  for (u32 nt = 0; nt < kTokenTiles; ++nt) {
+    acc_mt[nt][0] += part_mt[nt * 4 + 0] * s.w_lo * s.tok[nt][0];
+    acc_mt[nt][1] += part_mt[nt * 4 + 1] * s.w_lo * s.tok[nt][1];
+    acc_mt[nt][2] += part_mt[nt * 4 + 2] * s.w_hi * s.tok[nt][0];
+    acc_mt[nt][3] += part_mt[nt * 4 + 3] * s.w_hi * s.tok[nt][1];
   }
 }
 
-// FP8 with 32- and 64-token tiles: both m64 wgmmas of a chunk issued as two commit groups into two
-// partials, so the first one's promotion runs while the tensor cores still work on the second
-// (one wait per chunk left the tensor cores idle during every promotion).
-MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb,
-                                                   u32 ntiles) {
+// FP8 wgmma: both m64 wgmmas of a chunk issued as two commit groups into two partials, so the
+// first one's promotion runs while the tensor cores still work on the second (one wait per chunk
+// left the tensor cores idle during every promotion).
+MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
   float part0[kAccum], part1[kAccum];
   fence_accumulators(part0);
@@ -317,36 +316,33 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
   wgmma_commit_group();
   wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, part1, false);
   wgmma_commit_group();
+  PromoteScales scales;
+  load_promote_scales(scales, sm, kb);
   fence_accumulators(part0);
   fence_accumulators(part1);
   wgmma_wait_group<1>();
   fence_accumulators(part0);
-  promote_tile_smem(acc.v[0], part0, sm, kb, ntiles);
+  promote_tile(acc.v[0], part0, scales);
   wgmma_wait_group<0>();
   fence_accumulators(part1);
-  promote_tile_smem(acc.v[1], part1, sm, kb, ntiles);
+  promote_tile(acc.v[1], part1, scales);
 }
 
 // acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
 MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
   if constexpr (!kFP8) {
-    if constexpr (kWgmma) wgmma_chunk(acc, sm, stage, true);
+    if constexpr (kWgmma) wgmma_chunk<kDeferWgmmaWait ? 1 : 0>(acc, sm, stage, true);
     else mma_chunk(acc, sm, stage, ntiles);
+  } else if constexpr (kWgmma) {
+    wgmma_chunk_promote_overlapped(acc, sm, stage, c);
   } else {
-    if constexpr (kWgmma && kTileTokens == 128) {
-      wgmma_chunk_promote_split(acc, sm, stage, c, ntiles);  // two 64-float partials do not fit
-    } else if constexpr (kWgmma) {
-      wgmma_chunk_promote_overlapped(acc, sm, stage, c, ntiles);
-    } else {
-      WarpAcc part;
-      if constexpr (kWgmma) {
-        wgmma_chunk(part, sm, stage, false);
-      } else {
-        part.zero();
-        mma_chunk(part, sm, stage, ntiles);
-      }
-      promote_block_smem(acc, part, sm, c, ntiles);
-    }
+    WarpAcc part;
+    part.zero();
+    mma_chunk(part, sm, stage, ntiles);
+    PromoteScales scales;
+    load_promote_scales(scales, sm, c);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) promote_tile(acc.v[mt], &part.v[mt][0][0], scales);
   }
 }
 
@@ -395,9 +391,9 @@ MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, M
 #endif
 
 // The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
-// `next` (or nullptr): the CTA's next task of the same phase; its first kMainloopStages - 1
-// chunks are issued during this task's last iterations, so the weight stream never drains
-// between tasks (the epilogue runs while they are in flight).
+// `next` (or nullptr): the CTA's next task of the same phase; its first kAhead chunks are issued
+// during this task's last iterations, so the weight stream never drains between tasks (the
+// epilogue runs while they are in flight).
 template <u32 K>
 MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, const TaskOperands& cur,
                              const TaskOperands* next, const Params& p) {
@@ -407,12 +403,13 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
 #else
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
-  if (kChunks < S - 1) next = nullptr;  // too short to stream on: every task fills its own stages
+  constexpr u32 kAhead = kDeferWgmmaWait ? S - 2 : S - 1;  // chunks in flight past the one computed
+  if (kChunks < kAhead) next = nullptr;  // too short to stream on: every task fills its own stages
   const u32 ntiles = (cur.rows.num_rows + 7) / 8;
   acc.zero();
   if (!st.prefetched) {
 #pragma unroll
-    for (u32 s = 0; s + 1 < S; ++s) {
+    for (u32 s = 0; s < kAhead; ++s) {
       if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur);
       cp_async_commit();
     }
@@ -425,14 +422,19 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
     cp_async_wait<S - 2>();
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
 #endif
-    __syncthreads();  // chunk c landed for every thread; chunk c-1's stage is free again
-    const u32 ahead = c + S - 1;
+    __syncthreads();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
+    const u32 ahead = c + kAhead;
     if (ahead < kChunks)
       load_chunk<K>(sm, (st.seq + ahead) % S, ahead, cur);
     else if (next != nullptr)
       load_chunk<K>(sm, (st.seq + ahead) % S, ahead - kChunks, *next);
     cp_async_commit();
     chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
+  }
+  if constexpr (kDeferWgmmaWait) {  // the last chunk's wgmmas, before the epilogue reads acc
+    wgmma_wait_group<0>();
+    fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
+    fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]));
   }
   st.seq += kChunks;
   st.prefetched = next != nullptr;
