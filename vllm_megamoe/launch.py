@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -22,12 +21,6 @@ class RankFailed(RuntimeError):
     def __init__(self, rank: int, message: str, remote_traceback: str = ""):
         super().__init__(f"rank {rank}: {message}\n{remote_traceback}")
         self.rank, self.remote_traceback = rank, remote_traceback
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # NVLink multicast stays off: it is not needed and can take shared GPUs out of service.
@@ -46,9 +39,9 @@ def _worker(rank, world_size, port, fn, args, queue, pg_timeout_s, env, backend)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         result = fn(rank, world_size, dist.group.WORLD, *args)
         queue.put((rank, True, result))
     except BaseException as exc:  # report everything, including SystemExit from a test
@@ -69,9 +62,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
     backend "gloo" (CPU) or "nccl" (rank r uses cuda:r and the group is an NCCL group).
     With allow_failures=True, a failed rank's entry is a RankFailed instead of raising.
     """
+    import torch.distributed as dist
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous store listens here, on a port the OS picks while binding it: a port chosen
+    # first and bound later by rank 0 was taken by another process in between (EADDRINUSE).
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout_s))
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout_s,
                                                dict(env or {}), backend), daemon=True)
              for r in range(world_size)]
