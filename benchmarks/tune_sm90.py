@@ -57,6 +57,9 @@ def best_builds(probes: list[dict], max_err: float, min_gain: float = 0.0) -> di
         for r in probe["rows"]:
             if not r.get("mainloop") or r.get("graph_us") is None or r["rel_err_vs_first_variant"] > max_err:
                 continue
+            from vllm_megamoe.kernels.sm90_tuning import tile_supported
+            if not tile_supported(r["format"], int(r["mainloop"].split("/")[2])):
+                continue  # measured before the build was withdrawn
             point = times.setdefault((*_dims(r), r["format"], ranks), {}).setdefault(r["tokens_per_rank"], {})
             point[r["mainloop"]] = min(point.get(r["mainloop"], float("inf")), r["graph_us"])
     return {key: {tokens: _winner(builds, min_gain) for tokens, builds in points.items()}

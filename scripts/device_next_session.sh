@@ -87,7 +87,7 @@ case "${STEP:-verify}" in
     grep -E "^== " "$OUT/bench.log"
     L=$(left); echo "== $L s left for the probe"
     [ "$L" -gt 75 ] && timeout $(( L - 35 )) python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 \
-      --tokens 8 128 --variants mainloop=tma mainloop=tma,stages=5 --iters 10 --out "$OUT/probe_stages.json" 2>&1 | tail -5
+      --tokens 8 128 --variants mainloop=tma mainloop=tma,stages=5,tile=32 --iters 10 --out "$OUT/probe_stages.json" 2>&1 | tail -5
     L=$(left)
     [ "$L" -gt 30 ] && timeout $(( L - 3 )) python3 -m pytest $T tests/test_portable_gpu.py -k cuda_graph_one_gpu 2>&1 | tail -2 ;;
   ncu)      # Nsight Compute on one launch of the default build (one GPU, V4-Flash-like, TOKENS per rank)

@@ -114,6 +114,10 @@ def test_bad_settings_are_named(clean_env, tmp_path):
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_MAINLOOP='cutlass'"):
         tu.choose(V4, "fp8-block", 2, 8)
     clean_env.delenv("VLLM_MEGAMOE_SM90_MAINLOOP")
+    fp8_128 = _table(tmp_path, [{"max_tokens": 8, "mainloop": "tma", "stages": 3, "tile": 128}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(fp8_128))
+    with pytest.raises(ValueError, match="entry 0: 128-token tiles are BF16 only"):
+        tu.choose(V4, "fp8-block", 2, 8)
     bad = _table(tmp_path, [{"max_tokens": 8, "mainloop": "smem", "stages": 4, "tile": 64}])
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(bad))
     with pytest.raises(ValueError, match="entry 0.*64-token tiles need"):
@@ -133,7 +137,8 @@ def test_tuning_script_buckets_the_fastest_correct_build():
         row(8, "wgmma/4/32", 400), row(8, "wgmma/5/32", 380), row(8, "tma/4/32", 100, err=0.5),  # wrong: never wins
         row(128, "wgmma/4/32", 900), row(128, "wgmma/5/32", 950),
         row(1024, "wgmma/4/32", 1700), row(1024, "wgmma/4/64", 1500),
-        row(8192, "wgmma/4/64", 6000), row(8192, "tma/4/64", 6100)]}
+        row(8192, "wgmma/4/64", 6000), row(8192, "tma/4/64", 6100),
+        row(8192, "tma/3/128", 5000)]}  # an FP8 128-token build (withdrawn): never wins
     doc = tune_sm90.table([probe], None, max_err=2e-2)
     (entry,) = doc["entries"]
     assert entry["shape"] == {"hidden": 4096, "intermediate": 2048, "experts": 256, "topk": 6} and entry["ranks"] == 2

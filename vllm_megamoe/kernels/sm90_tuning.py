@@ -93,6 +93,11 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
 
 
+def tile_supported(fmt: str, tile: int) -> bool:
+    """FP8 has no 128-token build: its two 64-float partials do not fit next to the accumulators."""
+    return not (fmt == "fp8-block" and tile == 128)
+
+
 def auto_tiles(fmt: str) -> tuple:
     """Every tile auto_tile can pick for the format."""
     return (32, 64, 128) if fmt == "bf16" else (32, 64)
@@ -137,6 +142,8 @@ def parse_table(doc: dict, where: str = "the tuning table") -> dict:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{what}: {exc}") from exc
         require(bool(buckets), f"{what}: no buckets")
+        for _, c in buckets:
+            require(tile_supported(key[4], c.tile), f"{what}: {c.tile}-token tiles are BF16 only")
         require(key not in table, f"{what}: a second entry for {key}")
         table[key] = buckets
     return table
