@@ -291,8 +291,8 @@ MEGAMOE_DEVICE void load_promote_scales(PromoteScales& s, const MainloopSmem& sm
 }
 
 // acc_mt += part_mt x weight scale x token scale, one row group (acc.v[mt] / the same layout of
-// an m64nN partial). Every token column, those past the task's rows included: their products are
-// finite (scales of the last valid row) and never stored.
+// an m64nN partial). Every token column, those past the task's rows included: whatever those
+// hold (staging rows of other experts) stays in its own column, which no epilogue stores.
 MEGAMOE_DEVICE void promote_tile(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const PromoteScales& s) {
 #pragma unroll
   for (u32 nt = 0; nt < kTokenTiles; ++nt) {
