@@ -21,6 +21,8 @@ import json
 import math
 import os
 
+from vllm_megamoe.kernels.sm90_tuning import HEURISTIC, parse_table, tile_supported
+
 LAST_BUCKET = 1 << 20
 
 
@@ -33,7 +35,6 @@ def _dims(row: dict) -> tuple[int, int, int, int]:
 
 
 def _is_heuristic_build(label: str) -> bool:
-    from vllm_megamoe.kernels.sm90_tuning import HEURISTIC
     mainloop, stages, _tile = label.split("/")
     return mainloop == HEURISTIC.mainloop and int(stages) == HEURISTIC.stages
 
@@ -57,7 +58,6 @@ def best_builds(probes: list[dict], max_err: float, min_gain: float = 0.0) -> di
         for r in probe["rows"]:
             if not r.get("mainloop") or r.get("graph_us") is None or r["rel_err_vs_first_variant"] > max_err:
                 continue
-            from vllm_megamoe.kernels.sm90_tuning import tile_supported
             if not tile_supported(r["format"], int(r["mainloop"].split("/")[2])):
                 continue  # measured before the build was withdrawn
             point = times.setdefault((*_dims(r), r["format"], ranks), {}).setdefault(r["tokens_per_rank"], {})
@@ -112,7 +112,6 @@ def main(argv=None) -> int:
         with open(args.out) as f:
             existing = yaml.safe_load(f)
     doc = table(probes, existing, args.max_err, args.min_gain)
-    from vllm_megamoe.kernels.sm90_tuning import parse_table
     parse_table(doc, "the generated table")  # never write a table the op would refuse
     sources = ", ".join(f"{os.path.relpath(p)} (commit {probe['env'].get('commit') or '?'})"
                         for p, probe in zip(args.probes, probes))

@@ -99,8 +99,8 @@ def tile_supported(fmt: str, tile: int) -> bool:
 
 
 def auto_tiles(fmt: str) -> tuple:
-    """Every tile auto_tile can pick for the format."""
-    return (32, 64, 128) if fmt == "bf16" else (32, 64)
+    """Every tile auto_tile can pick for the format: each one the format has a build of."""
+    return tuple(t for t in TILES if tile_supported(fmt, t))
 
 
 # -- the table --------------------------------------------------------------------------------
