@@ -232,18 +232,18 @@ MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt) {
 // S - 2 chunks ahead instead of S - 1, since the stage it refills held the chunk before last.
 constexpr bool kDeferWgmmaWait = !kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
 
-// acc (+)= one staged chunk (BF16), the chunk's wgmmas one commit group; returns with at most
+// acc += one staged chunk (BF16), the chunk's wgmmas one commit group; returns with at most
 // kPending groups of this warpgroup still in flight.
 template <int kPending>
-MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage, bool accumulate) {
+MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
   float(&d0)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]);
   float(&d1)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]);
   fence_accumulators(d0);
   fence_accumulators(d1);
   wgmma_fence();
-  wgmma_k_steps(stage_desc_a(sm, stage, 0), desc_b, d0, accumulate);
-  wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, d1, accumulate);
+  wgmma_k_steps(stage_desc_a(sm, stage, 0), desc_b, d0, true);
+  wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, d1, true);
   wgmma_commit_group();
   fence_accumulators(d0);
   fence_accumulators(d1);
@@ -331,7 +331,7 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 // acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
 MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
   if constexpr (!kFP8) {
-    if constexpr (kWgmma) wgmma_chunk<kDeferWgmmaWait ? 1 : 0>(acc, sm, stage, true);
+    if constexpr (kWgmma) wgmma_chunk<kDeferWgmmaWait ? 1 : 0>(acc, sm, stage);
     else mma_chunk(acc, sm, stage, ntiles);
   } else if constexpr (kWgmma) {
     wgmma_chunk_promote_overlapped(acc, sm, stage, c);
