@@ -7,8 +7,6 @@
 #                of the table's builds, tma_wg and 5-stage decode builds side by side
 #                (benchmarks/kernel_probe.py); feed the JSON to `python -m benchmarks.tune_sm90`
 #                for configs/sm90_mega_moe.yaml
-#   STEP=tile128 the main tests of the 128-token tile, then its probes next to the table's builds
-#   STEP=overlap the main kernel tests (TILE=auto|32|64|128), then the table's builds and 128-token tiles probed
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
 #   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_ACTIVATION / _REDUCE=triton: tests and timing
@@ -48,22 +46,6 @@ case "${STEP:-verify}" in
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
       --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants default mainloop=tma_wg \
       --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
-  tile128)  # ~8 min: main tests of the 128-token tile (FP8 and BF16), then probes against the table's builds
-    T0=$(date +%s); left() { echo $(( 560 - ($(date +%s) - T0) )); }
-    VLLM_MEGAMOE_SM90_TOKEN_TILE=128 timeout 150 python3 -m pytest $T -o timeout=140 tests/gpu/test_sm90_mega_moe.py \
-      -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" > "$OUT/tile128_tests.log" 2>&1
-    echo "tile 128 tests: $(tail -1 "$OUT/tile128_tests.log")"
-    timeout 200 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 --tokens 1024 4096 8192 \
-      --variants default tile=128 mainloop=tma,stages=3,tile=64 --out "$OUT/probe_tile128.json" 2>&1 | tail -19
-    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 --format bf16 \
-      --shapes v4-flash qwen3-30b-a3b --tokens 1024 8192 --variants default tile=128 \
-      --out "$OUT/probe_tile128_bf16.json" 2>&1 | tail -9 ;;
-  overlap)  # ~6 min: main tests of the default builds, then the table's builds and 128-token tiles probed
-    VLLM_MEGAMOE_SM90_TOKEN_TILE=${TILE:-auto} timeout 150 python3 -m pytest $T -o timeout=140 tests/gpu/test_sm90_mega_moe.py \
-      -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" > "$OUT/overlap_tests.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/overlap_tests.log")"
-    timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
-      --tokens 8 128 1024 8192 --variants default tile=128 --out "$OUT/probe_overlap.json" 2>&1 | tail -25 ;;
   bench)
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1
