@@ -88,5 +88,5 @@ case "${STEP:-verify}" in
     ncu --import "$OUT/rep.ncu-rep" --page details > "$OUT/details.txt" 2>&1
     grep -E "Duration|Throughput|Issued|Stall" "$OUT/details.txt" | head -30
     wc -c "$OUT/source.csv"; head -c 600 "$OUT/source.csv"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable or ncu"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ncu or ncu_src"; exit 2 ;;
 esac
