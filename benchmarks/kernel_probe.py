@@ -4,9 +4,10 @@
         --variants stages=2 stages=3 stages=4 mainloop=ldg --out probe.json
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
-knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma`, `tile=32|64` ->
-VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` ->
-VLLM_MEGAMOE_NUM_SMS; several joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
+knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma|tma_wg`,
+`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma`
+-> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
+times only); several joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
 rank needed from one phase mark to the next.
@@ -21,7 +22,9 @@ PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"
           ("L1 sync", "l1_done", "l2_start"), ("L2", "l2_start", "l2_done"), ("combine", "l2_done", "combined"),
           ("reduce", "combined", "end"))
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
-         "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE"}
+         "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
+         # profiling builds that drop part of the mainloop (promotion, mma; wrong outputs)
+         "ablate": "VLLM_MEGAMOE_SM90_ABLATE"}
 
 
 def variant_env(variant: str) -> dict:

@@ -14,6 +14,8 @@
 #                (FP8 + BF16, 1-8192 tokens per rank with 4096, SGLang: carry .whl, set MEGAMOE_COMMIT),
 #                then, if time is left, a probe of 5 TMA stages at decode and the portable path's
 #                one-GPU CUDA-graph tests
+#   STEP=ablate  FP8 kernel tests of a few shapes, then the default build next to its ablations
+#                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
 #                about the per-rank expert load of 8-16 tokens per rank at EP2)
@@ -72,6 +74,16 @@ case "${STEP:-verify}" in
       --tokens 8 128 --variants mainloop=tma mainloop=tma,stages=5,tile=32 --iters 10 --out "$OUT/probe_stages.json" 2>&1 | tail -5
     L=$(left)
     [ "$L" -gt 30 ] && timeout $(( L - 3 )) python3 -m pytest $T tests/test_portable_gpu.py -k cuda_graph_one_gpu 2>&1 | tail -2 ;;
+  ablate)   # ~8 min: the FP8 kernel tests of a few shapes, then per-phase times of the default build,
+            # its ablations (no promotion / no wgmma: what is left of the mainloop) and, with
+            # BASE_CSRC=<dir of another commit's csrc> (carry it), that build side by side
+    timeout 170 python3 -m pytest $T -o timeout=160 tests/gpu/test_sm90_mega_moe.py \
+      -k "fp8 and (v4 or qwen3 or small)" > "$OUT/kernel_tests_fp8.log" 2>&1
+    tail -2 "$OUT/kernel_tests_fp8.log"
+    timeout 220 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} \
+      --variants ${VARIANTS:-default ablate=promotion ablate=mma} --out "$OUT/probe_ablate.json" 2>&1 | tail -14
+    [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 \
+      --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} --out "$OUT/probe_base.json" 2>&1 | tail -6 ;;
   ncu)      # Nsight Compute on one launch of the default build (one GPU, V4-Flash-like, TOKENS per rank)
     timeout 300 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
@@ -88,5 +100,5 @@ case "${STEP:-verify}" in
     ncu --import "$OUT/rep.ncu-rep" --page details > "$OUT/details.txt" 2>&1
     grep -E "Duration|Throughput|Issued|Stall" "$OUT/details.txt" | head -30
     wc -c "$OUT/source.csv"; head -c 600 "$OUT/source.csv"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ncu or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, ncu or ncu_src"; exit 2 ;;
 esac

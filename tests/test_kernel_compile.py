@@ -215,6 +215,29 @@ def test_fp8_refuses_128_token_tiles(monkeypatch):
         sm90_mega_moe.kernel_spec(shape, _Buf())
 
 
+def test_ablation_builds_are_profiling_only(monkeypatch):
+    """VLLM_MEGAMOE_SM90_ABLATE adds its define (and a separate cache entry); bad values are refused."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    buf = _Buf()
+    plain = sm90_mega_moe.kernel_spec(shape, buf)
+    assert "MEGAMOE_ABLATE" not in dict(plain.defines)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_ABLATE", "promotion+mma")
+    ablated = sm90_mega_moe.kernel_spec(shape, buf)
+    assert dict(ablated.defines)["MEGAMOE_ABLATE"] == "3" and ablated != plain
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_ABLATE", "epilogue")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_ABLATE='epilogue'"):
+        sm90_mega_moe.kernel_spec(shape, buf)
+    monkeypatch.delenv("VLLM_MEGAMOE_SM90_ABLATE")
+    assert sm90_mega_moe.kernel_spec(shape, buf) == plain
+
+
 def test_error_record_phases_match_the_kernel():
     """Python's phase names are the CUDA enum's, in order; every record kind has a message."""
     from vllm_megamoe.kernels import error_record

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -36,6 +37,7 @@ MAX_LOCAL_EXPERTS = 512
 #   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
 #   "ldg": fragments loaded straight from global memory (the first version).
 # Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
+logger = logging.getLogger(__name__)
 MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3, "tma_wg": 4}
 
 
@@ -76,13 +78,30 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     `shape` on `buffer` (cached on the buffer: the op asks for it on every call)."""
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
+    ablate = ablation_from_env()
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
-    if (shape, choice) not in cache:
-        cache[(shape, choice)] = _make_spec(shape, buffer, choice)
-    return cache[(shape, choice)]
+    if (shape, choice, ablate) not in cache:
+        cache[(shape, choice, ablate)] = _make_spec(shape, buffer, choice, ablate)
+    return cache[(shape, choice, ablate)]
 
 
-def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice) -> jit.KernelSpec:
+# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma builds a kernel that drops that part of the
+# GEMM mainloop (MEGAMOE_ABLATE, csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time
+# what is left. Its outputs are wrong; the op logs a warning with every build.
+ABLATIONS = {"promotion": 1, "mma": 2}
+
+
+def ablation_from_env() -> int:
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_ABLATE")
+    if not raw:
+        return 0
+    parts = raw.split("+")
+    require(all(part in ABLATIONS for part in parts),
+            f"VLLM_MEGAMOE_SM90_ABLATE={raw!r} must be empty or a '+'-joined subset of {sorted(ABLATIONS)}")
+    return sum(ABLATIONS[part] for part in set(parts))
+
+
+def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0) -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     require(sm90_tuning.tile_supported(fmt, choice.tile),
             "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
@@ -100,6 +119,10 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice) -> jit.Kerne
                 f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "
                 "(VLLM_MEGAMOE_SM90_STAGES or the tuning table)")
         defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
+    if ablate:
+        logger.warning("VLLM_MEGAMOE_SM90_ABLATE=%s: profiling build, its outputs are wrong",
+                       os.environ.get("VLLM_MEGAMOE_SM90_ABLATE"))
+        defines.update(MEGAMOE_ABLATE=ablate)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 
 

@@ -52,6 +52,8 @@ constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
 constexpr u32 kSlotGridSync = MEGAMOE_SLOT_grid_sync_0;
 constexpr u32 kSlotNvlCounter = MEGAMOE_SLOT_nvl_barrier_counter;
 constexpr u32 kSlotNvlSignal0 = MEGAMOE_SLOT_nvl_barrier_signal_0;
+constexpr u32 kSlotL1TaskCounter = MEGAMOE_SLOT_l1_task_counter;
+constexpr u32 kSlotL2TaskCounter = MEGAMOE_SLOT_l2_task_counter;
 constexpr u32 kSlotNumTokens = MEGAMOE_SLOT_num_tokens;
 constexpr u32 kSlotErrorFlag = MEGAMOE_SLOT_error_flag;
 constexpr u32 kSlotCallCount = MEGAMOE_SLOT_call_count;
@@ -81,6 +83,15 @@ static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) &&
 static_assert(!(kFP8 && kTileTokens == 128), "128-token tiles are BF16 only");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
+
+// Profiling only (benchmarks/kernel_probe.py `ablate=`): builds that drop one part of the GEMM
+// mainloop to time what is left; their output is wrong. 0 in every build the op runs on its own.
+#ifndef MEGAMOE_ABLATE
+#define MEGAMOE_ABLATE 0
+#endif
+constexpr u32 kAblate = MEGAMOE_ABLATE;
+constexpr u32 kAblatePromotion = 1;  // FP8: partial sums never scaled into the accumulators
+constexpr u32 kAblateMma = 2;        // wgmma never issued (TMA stages still stream and are waited for)
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

@@ -43,7 +43,7 @@ constexpr u32 kMaxKBlocks = (kHidden > kInter ? kHidden : kInter) / kScaleBlock;
 struct MainloopSmem {
   alignas(kStageAlign) u8 a[kMainloopStages][kTileRows * kStagedRow];
   alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
-  float tok_scale[kTileTokens][kMaxKBlocks];  // FP8: the task's token scales per 128-K block
+  float tok_scale[kMaxKBlocks][kTileTokens];  // FP8: the task's token scales per 128-K block (tok_scale_col)
   float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
 #if MEGAMOE_SMEM_MAINLOOP >= 3
   u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
@@ -105,6 +105,11 @@ MEGAMOE_DEVICE u32 lds_u32(const u8* p) { return *reinterpret_cast<const u32*>(p
 MEGAMOE_DEVICE float lds_f32(const float* p) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)));
+  return v;
+}
+MEGAMOE_DEVICE float2 lds_f32x2(const float* p) {  // p 8-byte aligned
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)));
   return v;
 }
 
@@ -218,6 +223,7 @@ constexpr u32 kAccum = kTileTokens / 2;  // m64nN: N/2 accumulators per thread
 // fences, commits and waits.
 MEGAMOE_DEVICE void wgmma_k_steps(u64 desc_a, u64 desc_b, float (&d)[kAccum], bool accumulate) {
   constexpr u32 kDescStep = 32 / 16;  // descriptors count 16-byte units
+  if constexpr (kAblate & kAblateMma) return;
 #pragma unroll
   for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
     ChunkMma::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, d, accumulate || kk > 0);
@@ -252,16 +258,22 @@ MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage)
   fence_accumulators(d1);
 }
 
-// The FP8 scales of one task into shared memory: token scales of its 32 rows (past-the-end
-// tokens read the last valid row) and each warp's two weight-scale rows. Visible to every thread
-// after the first barrier of the K loop; the previous task finished reading them before its end.
+// Column of token `tok` in row `kb` of MainloopSmem::tok_scale: XOR-swizzled by an even number,
+// so a promotion's reads (8 consecutive tokens of one block) stay conflict-free and pairwise
+// adjacent, while the fill (consecutive blocks of one token) spreads over the banks instead of
+// hitting one (rows are kTileTokens floats apart, a multiple of 32 banks).
+MEGAMOE_DEVICE u32 tok_scale_col(u32 kb, u32 tok) { return tok ^ ((2 * kb) & (kTileTokens - 1)); }
+
+// The FP8 scales of one task into shared memory: token scales of its rows (past-the-end tokens
+// read the last valid row) and each warp's two weight-scale rows. Visible to every thread after
+// the first barrier of the K loop; the previous task finished reading them before its end.
 template <u32 KBlocks>
 MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
   for (u32 i = threadIdx.x; i < kTileTokens * KBlocks; i += kNumThreads) {
-    const u32 tok = i / KBlocks, kb = i % KBlocks;
+    const u32 tok = i / KBlocks, kb = i % KBlocks;  // consecutive lanes: one row's blocks (coalesced)
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
-    sm.tok_scale[tok][kb] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
+    sm.tok_scale[kb][tok_scale_col(kb, tok)] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
   }
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (u32 kb = lane; kb < KBlocks; kb += 32) {
@@ -270,37 +282,38 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
   }
 }
 
-// The scales of one 128-K block's promotion: this warp's two weight-scale rows (fragment rows g
-// and g + 8, the same for both m64 / m16 row groups) and the token scales of this lane's columns.
-// Read from shared memory before the wgmma wait, so their latency hides behind the tensor cores
-// (read after it, and one token tile at a time, they were a third of the kernel's stall samples).
+// The scales of one 128-K block's promotion, weight x token combined per accumulator slot (one
+// FFMA per element instead of FMUL + FFMA; the products are shared by both row groups): slot
+// [nt][i] of acc.v[mt][nt][i] is row g (i < 2) or g + 8 (this warp's two weight-scale rows), token
+// nt * 8 + 2 * t4 + i % 2. Read from shared memory before the wgmma wait, so their latency hides
+// behind the tensor cores (read after it they were a third of the kernel's stall samples).
 struct PromoteScales {
-  float w_lo, w_hi;
-  float tok[kTokenTiles][2];
+  float s[kTokenTiles][4];
 };
 
 MEGAMOE_DEVICE void load_promote_scales(PromoteScales& s, const MainloopSmem& sm, u32 kb) {
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
-  s.w_lo = lds_f32(&sm.w_scale[warp][0][kb]);
-  s.w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
+  const float w_lo = lds_f32(&sm.w_scale[warp][0][kb]);
+  const float w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
 #pragma unroll
   for (u32 nt = 0; nt < kTokenTiles; ++nt) {
-    s.tok[nt][0] = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4][kb]);
-    s.tok[nt][1] = lds_f32(&sm.tok_scale[nt * 8 + 2 * t4 + 1][kb]);
+    const float2 tok = lds_f32x2(&sm.tok_scale[kb][tok_scale_col(kb, nt * 8 + 2 * t4)]);
+    s.s[nt][0] = w_lo * tok.x;
+    s.s[nt][1] = w_lo * tok.y;
+    s.s[nt][2] = w_hi * tok.x;
+    s.s[nt][3] = w_hi * tok.y;
   }
 }
 
-// acc_mt += part_mt x weight scale x token scale, one row group (acc.v[mt] / the same layout of
-// an m64nN partial). Every token column, those past the task's rows included: whatever those
-// hold (staging rows of other experts) stays in its own column, which no epilogue stores.
+// acc_mt += part_mt x (weight x token scale), one row group (acc.v[mt] / the same layout of an
+// m64nN partial). Every token column, those past the task's rows included: whatever those hold
+// (staging rows of other experts) stays in its own column, which no epilogue stores.
 MEGAMOE_DEVICE void promote_tile(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const PromoteScales& s) {
+  if constexpr (kAblate & kAblatePromotion) return;
 #pragma unroll
-  for (u32 nt = 0; nt < kTokenTiles; ++nt) {
-    acc_mt[nt][0] += part_mt[nt * 4 + 0] * s.w_lo * s.tok[nt][0];
-    acc_mt[nt][1] += part_mt[nt * 4 + 1] * s.w_lo * s.tok[nt][1];
-    acc_mt[nt][2] += part_mt[nt * 4 + 2] * s.w_hi * s.tok[nt][0];
-    acc_mt[nt][3] += part_mt[nt * 4 + 3] * s.w_hi * s.tok[nt][1];
-  }
+  for (u32 nt = 0; nt < kTokenTiles; ++nt)
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i) acc_mt[nt][i] = fmaf(part_mt[nt * 4 + i], s.s[nt][i], acc_mt[nt][i]);
 }
 
 // FP8 wgmma: both m64 wgmmas of a chunk issued as two commit groups into two partials, so the
