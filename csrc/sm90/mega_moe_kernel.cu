@@ -2,6 +2,7 @@
 //   stage + announce -> [NVLink barrier] -> pull -> L1 + SwiGLU -> (per token block) L2 + combine
 //   writes -> [NVLink barrier] -> top-k reduce -> counters reset
 // Phases up to L1 are separated by grid-wide barriers, L1 -> L2 by per-token-block counters;
+// GEMM tasks go to CTAs in index order as they ask (task_queue.cuh);
 // every CTA of the grid must be resident (the host checks occupancy) and every wait times out
 // with a report naming the rank and the phase.
 #include "mega/combine.cuh"
@@ -9,6 +10,7 @@
 #include "mega/expert_gemm.cuh"
 #include "mega/phase_clock.cuh"
 #include "mega/sync.cuh"
+#include "mega/task_queue.cuh"
 
 using namespace megamoe;
 using namespace megamoe::mega;
@@ -50,22 +52,25 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   mark_phase(p, kMarkL1Start);
 
   const u32 blocks = table.block_start[kNumLocalExperts];
+  __shared__ u32 task_slot;
   MainloopState l1_state{0, false, kPhaseL1};
-  for (u32 task = blockIdx.x; task < blocks * kL1Tiles; task += num_ctas)
-    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, task + num_ctas, blocks * kL1Tiles);
+  for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles);
+  });
   mark_phase(p, kMarkL1Done);
   // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flag;
   MainloopState l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
-  for (u32 task = blockIdx.x; task < blocks * kL2Tiles; task += num_ctas)
-    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, task + num_ctas, blocks * kL2Tiles,
-            &l2_ready_flag);
+  for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, &l2_ready_flag);
+  });
   mark_phase(p, kMarkL2Done);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkCombined);
   reset_l1_blocks(me, blocks);
+  reset_task_counters(me);
 
   reduce_combine(p, me);
   mark_phase(p, kMarkEnd);

@@ -1,5 +1,6 @@
 // Which (token block, weight tile) a GEMM task index of a phase stands for. CTAs take task
-// indices grid-strided, so tasks with neighbouring indices run at the same time. Within one
+// indices in order as they ask (task_queue.cuh), so tasks with neighbouring indices run at the
+// same time. Within one
 // expert the tasks go weight tile by weight tile, every token block of a tile side by side: the
 // CTAs busy with an expert that holds many token blocks (prefill) then stream the same weight
 // tile together, one of them from HBM and the others from L2, instead of each re-reading its own

@@ -1,0 +1,42 @@
+// Which CTA runs which GEMM task of a phase. Each CTA starts on task blockIdx.x; after that,
+// tasks go out in index order from a per-phase counter in the workspace, to whichever CTA asks
+// next. Tasks with neighbouring indices (the token blocks of one weight tile, task_order.cuh)
+// then start within a fraction of a task of each other, so the tile comes from HBM once and
+// from L2 for the others; with tasks dealt out grid-strided up front, CTAs drifted apart by
+// whole tasks over a prefill and every token block re-read its weight tile from HBM.
+// A CTA asks for the task after next when it starts a task: the atomic's round trip hides
+// behind a whole task, and the next task is known early enough for the mainloop to stream into it.
+#pragma once
+#include "params.cuh"
+
+namespace megamoe::mega {
+
+// Runs run_task(task, next_task) for every task this CTA gets (next_task >= num_tasks: none).
+// `slot`: one shared word. run_task must contain a __syncthreads (every task's K loop does),
+// which orders every thread's read of `slot` before thread 0 rewrites it.
+template <class RunTask>
+MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTask&& run_task) {
+  const u32 num_ctas = gridDim.x;
+  if (threadIdx.x == 0) *slot = num_ctas + static_cast<u32>(atomicAdd(counter, 1));
+  __syncthreads();
+  u32 task = blockIdx.x, next = *slot;
+  while (task < num_tasks) {
+    u32 after = num_tasks;  // the task after next, only read at the end of this one
+    if (threadIdx.x == 0 && next < num_tasks) after = num_ctas + static_cast<u32>(atomicAdd(counter, 1));
+    run_task(task, next);
+    if (threadIdx.x == 0) *slot = after;
+    __syncthreads();
+    task = next;
+    next = *slot;
+  }
+}
+
+// After the combine barrier (no CTA asks for a task any more): zero both phases' counters.
+MEGAMOE_DEVICE void reset_task_counters(const Regions& me) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    me.workspace()[kSlotL1TaskCounter] = 0;
+    me.workspace()[kSlotL2TaskCounter] = 0;
+  }
+}
+
+}  // namespace megamoe::mega
