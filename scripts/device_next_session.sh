@@ -16,6 +16,7 @@
 #                one-GPU CUDA-graph tests
 #   STEP=ablate  FP8 kernel tests of a few shapes, then the default build next to its ablations
 #                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
+#   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
 #                about the per-rank expert load of 8-16 tokens per rank at EP2)
@@ -33,7 +34,10 @@ case "${STEP:-verify}" in
       timeout 110 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
         python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
       tail -4 "$OUT/$tool.log"
-    done ;;
+    done
+    # optional: PROBE_VARIANTS at PROBE_TOKENS tokens per rank of V4-Flash (e.g. sms=66 against the default)
+    [ -n "${PROBE_VARIANTS:-}" ] && timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash \
+      --tokens ${PROBE_TOKENS:-8192} --variants $PROBE_VARIANTS --out "$OUT/probe_verify.json" 2>&1 | tail -8 ;;
   probe)    # ~9 min: main tests of the tma_wg builds, then per-phase probes against the table's builds
     T0=$(date +%s); left() { echo $(( 560 - ($(date +%s) - T0) )); }
     for build in "VLLM_MEGAMOE_SM90_MAINLOOP=tma_wg" "VLLM_MEGAMOE_SM90_MAINLOOP=tma_wg VLLM_MEGAMOE_SM90_TOKEN_TILE=64"; do
@@ -77,13 +81,26 @@ case "${STEP:-verify}" in
   ablate)   # ~8 min: the FP8 kernel tests of a few shapes, then per-phase times of the default build,
             # its ablations (no promotion / no wgmma: what is left of the mainloop) and, with
             # BASE_CSRC=<dir of another commit's csrc> (carry it), that build side by side
-    timeout 170 python3 -m pytest $T -o timeout=160 tests/gpu/test_sm90_mega_moe.py \
-      -k "fp8 and (v4 or qwen3 or small)" > "$OUT/kernel_tests_fp8.log" 2>&1
+    env ${TEST_ENV:-} timeout 200 python3 -m pytest $T -o timeout=190 tests/gpu/test_sm90_mega_moe.py \
+      -k "${TESTS:-fp8 and (v4 or qwen3 or small)}" > "$OUT/kernel_tests_fp8.log" 2>&1
     tail -2 "$OUT/kernel_tests_fp8.log"
     timeout 220 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} \
       --variants ${VARIANTS:-default ablate=promotion ablate=mma} --out "$OUT/probe_ablate.json" 2>&1 | tail -14
     [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 \
       --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} --out "$OUT/probe_base.json" 2>&1 | tail -6 ;;
+  ncu_mem)  # memory-system sections and raw counters of one launch per variant (one GPU, V4-Flash-like)
+    for v in ${VARIANTS:-default ablate=mma}; do
+      name=$(echo "$v" | tr '=,' '__')
+      timeout 240 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis -o "$OUT/mem_$name" \
+        python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8192} --iters 3 \
+        --variants "$v" > "$OUT/ncu_mem_$name.txt" 2>&1
+      tail -2 "$OUT/ncu_mem_$name.txt"
+      ncu --import "$OUT/mem_$name.ncu-rep" --page raw --csv > "$OUT/raw_$name.csv" 2>&1
+      ncu --import "$OUT/mem_$name.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
+      grep -E "Duration|Throughput|Hit Rate|Busy|Bandwidth" "$OUT/details_$name.txt" | head -24
+      rm -f "$OUT/mem_$name.ncu-rep"
+    done ;;
   ncu)      # Nsight Compute on one launch of the default build (one GPU, V4-Flash-like, TOKENS per rank)
     timeout 300 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
@@ -100,5 +117,5 @@ case "${STEP:-verify}" in
     ncu --import "$OUT/rep.ncu-rep" --page details > "$OUT/details.txt" 2>&1
     grep -E "Duration|Throughput|Issued|Stall" "$OUT/details.txt" | head -30
     wc -c "$OUT/source.csv"; head -c 600 "$OUT/source.csv"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, ncu or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac

@@ -65,27 +65,28 @@ def test_environment_overrides_the_table(clean_env, tmp_path):
 
 def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
     """The table's 5 stages are for 32-token tiles; a larger tile from the environment runs as many
-    stages as fit (4 for 64 tokens, 3 for 128), an explicit depth stays (the op refuses it)."""
+    stages as fit (5 still for 64 tokens, 4 for 128), an explicit depth stays (the op refuses it)."""
     from vllm_megamoe.kernels import sm90_smem
     path = _table(tmp_path, [{"max_tokens": 100000, "mainloop": "tma", "stages": 5, "tile": 32}])
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
     assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 5, 32)
-    for tile, stages in (("64", 4), ("128", 3), ("auto", 4)):
+    for tile, stages in (("64", 5), ("128", 4), ("auto", 5)):
         clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
         c = tu.choose(V4, "fp8-block", 2, 8192)
         assert (c.tile, c.stages) == (int(tile) if tile != "auto" else 64, stages)
         assert sm90_smem.fits(V4, 2, "tma", c.stages, c.tile)
         assert not sm90_smem.fits(V4, 2, "tma", c.stages + 1, c.tile)
     clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "5")
-    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 5, 64)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    assert tu.choose(V4, "bf16", 2, 8192) == Choice("tma", 5, 128)
 
 
 def test_auto_tile_128_is_bf16_only(clean_env):
     # 256 expected rows per local expert: 256 * 256 / (2 * 6) = 5462 tokens per rank
-    assert tu.choose(V4, "bf16", 2, 5462) == Choice("tma", 3, 128)  # 4 stages do not fit 128 tokens
+    assert tu.choose(V4, "bf16", 2, 5462) == Choice("tma", 4, 128)
     assert tu.choose(V4, "bf16", 2, 5461) == Choice("tma", 4, 64)
     assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 64)
-    assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 3, 128)]
+    assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
 
 

@@ -113,7 +113,7 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                    MEGAMOE_TILE_TOKENS=choice.tile)
     if choice.mainloop != "ldg":
         smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
-        static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile)
+        static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile, choice.mainloop)
         require(smem + static <= SMEM_PER_BLOCK,
                 f"{choice.stages} stages of the {choice.mainloop} mainloop need {smem} + {static} bytes of shared "
                 f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "

@@ -12,11 +12,19 @@ WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")
 TMA_MAINLOOPS = ("tma", "tma_wg")
 
 
-def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32) -> int:
+# Builds whose epilogue tile lives in the stage of a task's last K chunk (expert_gemm.cuh
+# MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
+EPILOGUE_IN_STAGE_MAINLOOPS = ("wgmma", "tma")
+
+
+def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg") -> int:
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
-    ExpertTable), the epilogue tile (expert_gemm.cuh EpilogueSmem) and 1 KB of headroom."""
+    ExpertTable), the epilogue's amax table and, unless it lives in a mainloop stage, its tile
+    (expert_gemm.cuh EpilogueSmem), and 1 KB of headroom."""
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
-    epilogue = 8 * tile_tokens * 4 + min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
+    epilogue = 8 * tile_tokens * 4
+    if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS:
+        epilogue += min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
     return table + epilogue + 1024
 
 
@@ -40,4 +48,4 @@ def fits(shape: MoEShape, num_ranks: int, mainloop: str, stages: int, tile_token
     if mainloop == "ldg":
         return True
     return (mainloop_smem_bytes(shape, stages, mainloop, tile_tokens)
-            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens)) <= SMEM_PER_BLOCK
+            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens, mainloop)) <= SMEM_PER_BLOCK

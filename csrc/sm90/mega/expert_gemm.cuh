@@ -86,14 +86,42 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
 }
 
 // The L2 epilogue goes through shared memory in passes of up to 64 tokens (a 128-token tile's
-// [128][256] BF16 rows would take 64 KB next to the mainloop's stages); L1's [tokens][128]
-// FP8 / BF16 tile fits the same bytes.
+// [128][256] BF16 rows would take 64 KB); L1's [tokens][128] FP8 / BF16 tile fits the same bytes.
 constexpr u32 kL2PassTokens = kTileTokens < 64 ? kTileTokens : 64;
+constexpr u32 kEpilogueTileBytes = kL2PassTokens * kTileRows * 2;  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
+static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epilogue tile does not fit");
+// The wgmma and TMA mainloops (not tma_wg, which streams into every stage) leave the stage of a
+// task's last chunk untouched until the next task's first CTA barrier (the copies streaming into
+// the next task go to the other stages): the epilogue tile lives there instead of in its own
+// 16-32 KB, which buys the prefill builds a fifth stage. (The legacy mma.sync build keeps its own:
+// the stage pointer costs it a spill.)
+#define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 2 || MEGAMOE_SMEM_MAINLOOP == 3)
 struct EpilogueSmem {
   float amax[kNumWarps][kTileTokens];
-  alignas(16) u8 tile[kL2PassTokens * kTileRows * 2];  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
+#if !MEGAMOE_EPILOGUE_IN_STAGE
+  alignas(16) u8 tile[kEpilogueTileBytes];
+#endif
 };
-static_assert(kTileTokens * 128 * kElemBytes <= sizeof(EpilogueSmem::tile), "the L1 epilogue tile does not fit");
+
+// The epilogue tile of the task whose K loop just ended (state `st`).
+MEGAMOE_DEVICE u8* epilogue_tile(EpilogueSmem& smem, MainloopSmem* mainloop, const MainloopState& st) {
+#if MEGAMOE_EPILOGUE_IN_STAGE
+  static_assert(kEpilogueTileBytes <= sizeof(MainloopSmem::a[0]), "the epilogue tile does not fit a stage");
+  (void)smem;
+  return mainloop->a[(st.seq - 1) % kMainloopStages];
+#else
+  (void)mainloop, (void)st;
+  return smem.tile;
+#endif
+}
+
+// Before the barrier that ends the epilogue's use of the tile: with the TMA mainloop the next
+// write to that stage is a TMA copy (async proxy), ordered after this thread's generic accesses.
+MEGAMOE_DEVICE void release_epilogue_tile() {
+#if MEGAMOE_EPILOGUE_IN_STAGE && MEGAMOE_SMEM_MAINLOOP == 3
+  fence_proxy_async_shared();
+#endif
+}
 
 // task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
@@ -136,6 +164,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
         tok_amax[nt][j] = fmaxf(tok_amax[nt][j], fabsf(v));
       }
     }
+  u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16
   if constexpr (kFP8) {
     // Per-token amax over the tile's 128 channels: across g in the warp, then across warps.
 #pragma unroll
@@ -168,9 +197,9 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
       for (int mt = 0; mt < 2; ++mt) {
         const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
         if constexpr (kFP8) {
-          smem.tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(acc.v[mt][nt][j] / scale, 0.0f) & 0xff);
+          tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(acc.v[mt][nt][j] / scale, 0.0f) & 0xff);
         } else {
-          reinterpret_cast<u16*>(smem.tile)[tok * 128 + channel] = f32_to_bf16(acc.v[mt][nt][j]);
+          reinterpret_cast<u16*>(tile)[tok * 128 + channel] = f32_to_bf16(acc.v[mt][nt][j]);
         }
       }
     }
@@ -181,8 +210,9 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     const u32 tok = c / kChunksPerRow, chunk = c % kChunksPerRow;
     if (tok >= t.num_rows) continue;
     u8* dst = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * kRowBytes + chunk * 16;
-    *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(smem.tile)[c];
+    *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(tile)[c];
   }
+  release_epilogue_tile();
   __syncthreads();
   publish_l1_tile(me, at.block);
 }
@@ -217,7 +247,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
-  u16* tile = reinterpret_cast<u16*>(smem.tile);  // [pass tokens][256 channels] bf16
+  u16* tile = reinterpret_cast<u16*>(epilogue_tile(smem, mainloop, st));  // [pass tokens][256 channels] bf16
   constexpr u32 kPassTiles = kL2PassTokens / 8;
 #pragma unroll
   for (u32 pass = 0; pass < kTileTokens / kL2PassTokens; ++pass) {
@@ -251,6 +281,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
       u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
       reinterpret_cast<uint4*>(dst)[lane] = reinterpret_cast<const uint4*>(tile + tok * kTileRows)[lane];
     }
+    release_epilogue_tile();
     __syncthreads();
   }
 }
