@@ -92,6 +92,7 @@ static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-me
 constexpr u32 kAblate = MEGAMOE_ABLATE;
 constexpr u32 kAblatePromotion = 1;  // FP8: partial sums never scaled into the accumulators
 constexpr u32 kAblateMma = 2;        // wgmma never issued (TMA stages still stream and are waited for)
+constexpr u32 kAblateTokenRows = 4;  // TMA token boxes always read staging rows 0.. (hot in L2)
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

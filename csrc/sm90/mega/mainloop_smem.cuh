@@ -149,7 +149,8 @@ MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, cons
   const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
   mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
   tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), static_cast<int>(op.rows.expert));
-  tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k, static_cast<int>(op.rows.first_row));
+  tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k,
+              (kAblate & kAblateTokenRows) ? 0 : static_cast<int>(op.rows.first_row));
 }
 #endif
 
