@@ -42,6 +42,14 @@ def variant_env(variant: str) -> dict:
     return env
 
 
+def probe_shape(spec: str):
+    """A standard shape name or HIDDENxINTERxEXPERTSxTOPK (benchmarks.bench.parse_shape) as a MoEShape."""
+    from benchmarks.bench import parse_shape
+    from vllm_megamoe.shape import MoEShape
+    _, hidden, inter, experts, topk = parse_shape(spec)
+    return MoEShape(hidden, inter, experts, topk)
+
+
 def phase_row(summary: dict) -> dict:
     """Phase name -> microseconds between the latest CTA's marks (phase_clock.summarize output)."""
     marks = summary["marks"]
@@ -54,13 +62,13 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
     from vllm_megamoe import SymmBuffer, reference
     from vllm_megamoe.kernels import phase_clock, sm90_mega_moe, sm90_tuning
 
-    from benchmarks.common import STANDARD_SHAPES, local_weights, median_us, rotating_inputs
+    from benchmarks.common import local_weights, median_us, rotating_inputs
     from benchmarks.timing import capture_graph, time_events
 
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for name in shapes:
-        shape = STANDARD_SHAPES[name]
+        shape = probe_shape(name)
         weights = local_weights(shape, world, rank, fmt, dev)
         buf = SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev)
         for tokens in tokens_list:
@@ -191,7 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--versus", metavar="BENCH_JSON",
                     help="with --report: the probe's default variant next to a benchmark file's other paths")
     ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--shapes", nargs="+", default=["v4-flash"])
+    ap.add_argument("--shapes", nargs="+", default=["v4-flash"],
+                    help="standard shape names (benchmarks.common.STANDARD_SHAPES) or HIDDENxINTERxEXPERTSxTOPK")
     ap.add_argument("--format", default="fp8-block")
     ap.add_argument("--tokens", nargs="+", type=int, default=[8, 128, 1024])
     ap.add_argument("--variants", nargs="+", default=["default"])
@@ -203,7 +212,9 @@ def main(argv=None) -> int:
         print(versus(args.report, args.versus) if args.versus else markdown(args.report))
         return 0
     for v in args.variants:
-        variant_env(v)  # bad variants fail before any process starts
+        variant_env(v)  # bad variants and shapes fail before any process starts
+    for spec in args.shapes:
+        probe_shape(spec)
     from vllm_megamoe.launch import run_ranks
     results = run_ranks(_rank_main, args.gpus,
                         (args.shapes, args.format, args.tokens, args.variants, args.iters),

@@ -16,6 +16,13 @@ def test_variants_map_to_the_kernel_knobs():
             kp.variant_env(bad)
 
 
+def test_shapes_by_name_or_dimensions():
+    assert kp.probe_shape("v4-flash") == kp.probe_shape("4096x2048x256x6")
+    assert kp.probe_shape("4352x2048x256x6").hidden == 4352
+    with pytest.raises(Exception, match="HIDDENxINTERxEXPERTSxTOPK"):
+        kp.probe_shape("4096x2048")
+
+
 def test_phase_rows_follow_the_latest_cta():
     import torch
     marks = len(phase_clock.MARKS)
