@@ -14,7 +14,7 @@ TMA_MAINLOOPS = ("tma", "tma_wg")
 
 # Builds whose epilogue tile lives in the stage of a task's last K chunk (expert_gemm.cuh
 # MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
-EPILOGUE_IN_STAGE_MAINLOOPS = ("wgmma", "tma")
+EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)
 
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg") -> int:

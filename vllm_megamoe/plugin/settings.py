@@ -118,13 +118,17 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("sm90_token_tile", _choice("32", "64", "128", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
         "or 128 (wgmma / tma only; each weight tile streamed 2x / 4x less often in prefill; 128 "
-        "runs at most 3 stages) or auto (64 from 48 expected rows per expert).", core_env=True),
+        "runs at most 4 stages) or auto (64 from 48 expected rows per expert).", core_env=True),
     Key("sm90_tuning", _text, None,
         "YAML tuning table of the SM90 kernel (default: the packaged configs/sm90_mega_moe.yaml).",
         core_env=True),
     Key("sm90_stages", _positive_int, None,
         "Pipeline depth of the SM90 kernel's shared-memory mainloops (2-8; default from the tuning "
         "table, else 4).", core_env=True),
+    Key("sm90_ablate", _text, None,
+        "Profiling only, outputs are wrong: SM90 builds without part of the GEMM mainloop "
+        "('+'-joined: promotion, mma, token_rows) to time what is left (benchmarks/kernel_probe.py).",
+        core_env=True),
 )}
 
 
