@@ -16,6 +16,7 @@
 #                one-GPU CUDA-graph tests
 #   STEP=ablate  FP8 kernel tests of a few shapes, then the default build next to its ablations
 #                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
+#   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
@@ -88,6 +89,11 @@ case "${STEP:-verify}" in
       --variants ${VARIANTS:-default ablate=promotion ablate=mma} --out "$OUT/probe_ablate.json" 2>&1 | tail -14
     [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 \
       --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} --out "$OUT/probe_base.json" 2>&1 | tail -6 ;;
+  pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
+            # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
+            # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)
+    timeout 300 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash 4352x2048x256x6 4096x2176x256x6 \
+      --tokens ${TOKENS:-8192} --variants default ablate=promotion+mma --out "$OUT/probe_pitch.json" 2>&1 | tail -8 ;;
   ncu_mem)  # memory-system sections and raw counters of one launch per variant (one GPU, V4-Flash-like)
     for v in ${VARIANTS:-default ablate=mma}; do
       name=$(echo "$v" | tr '=,' '__')
@@ -117,5 +123,5 @@ case "${STEP:-verify}" in
     ncu --import "$OUT/rep.ncu-rep" --page details > "$OUT/details.txt" 2>&1
     grep -E "Duration|Throughput|Issued|Stall" "$OUT/details.txt" | head -30
     wc -c "$OUT/source.csv"; head -c 600 "$OUT/source.csv"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac
