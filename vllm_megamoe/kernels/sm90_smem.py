@@ -10,8 +10,6 @@ TILE_ROWS = 256                 # weight rows per GEMM task
 SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
 WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")
 TMA_MAINLOOPS = ("tma", "tma_wg")
-
-
 # Builds whose epilogue tile lives in the stage of a task's last K chunk (expert_gemm.cuh
 # MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
 EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)

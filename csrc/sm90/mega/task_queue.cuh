@@ -16,13 +16,14 @@ namespace megamoe::mega {
 // which orders every thread's read of `slot` before thread 0 rewrites it.
 template <class RunTask>
 MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTask&& run_task) {
-  const u32 num_ctas = gridDim.x;
-  if (threadIdx.x == 0) *slot = num_ctas + static_cast<u32>(atomicAdd(counter, 1));
+  // Tasks [0, gridDim.x) are the CTAs' first ones; the counter hands out the rest (thread 0 asks).
+  const auto ask = [&] { return gridDim.x + static_cast<u32>(atomicAdd(counter, 1)); };
+  if (threadIdx.x == 0) *slot = ask();
   __syncthreads();
   u32 task = blockIdx.x, next = *slot;
   while (task < num_tasks) {
     u32 after = num_tasks;  // the task after next, only read at the end of this one
-    if (threadIdx.x == 0 && next < num_tasks) after = num_ctas + static_cast<u32>(atomicAdd(counter, 1));
+    if (threadIdx.x == 0 && next < num_tasks) after = ask();
     run_task(task, next);
     if (threadIdx.x == 0) *slot = after;
     __syncthreads();
