@@ -53,7 +53,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 
   const u32 blocks = table.block_start[kNumLocalExperts];
   __shared__ u32 task_slot;
-  MainloopState l1_state{0, false, kPhaseL1};
+  MainloopState<kHidden> l1_state{0, false, kPhaseL1};
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
     l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles);
   });
@@ -62,7 +62,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flag;
-  MainloopState l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
+  MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
     l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, &l2_ready_flag);
   });

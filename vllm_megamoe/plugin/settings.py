@@ -127,7 +127,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "table, else 4).", core_env=True),
     Key("sm90_ablate", _text, None,
         "Profiling only, outputs are wrong: SM90 builds without part of the GEMM mainloop "
-        "('+'-joined: promotion, mma, token_rows) to time what is left (benchmarks/kernel_probe.py).",
+        "('+'-joined: promotion, mma, token_rows, weight_rows) to time what is left (benchmarks/kernel_probe.py).",
         core_env=True),
 )}
 

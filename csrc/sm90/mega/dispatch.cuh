@@ -27,8 +27,9 @@ MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
 #pragma unroll
       for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
       const float scale = fmaxf(amax, kAmaxFloor) * (1.0f / kFP8Max);
-      const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] / scale, v[1] / scale)) |
-                         (static_cast<u32>(f32x2_to_e4m3x2(v[2] / scale, v[3] / scale)) << 16);
+      const float inv = 1.0f / scale;  // one division, four multiplies
+      const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] * inv, v[1] * inv)) |
+                         (static_cast<u32>(f32x2_to_e4m3x2(v[2] * inv, v[3] * inv)) << 16);
       *reinterpret_cast<u32*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;
       if (lane == 0) me.x_scale()[static_cast<u64>(token) * (kBufHidden / kScaleBlock) + group] = scale;
     } else {

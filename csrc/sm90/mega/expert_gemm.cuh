@@ -29,7 +29,7 @@ MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32
 // acc = this warp's 32 rows x 32 tokens of the task's GEMM over K (see the file comment).
 // `next`: the CTA's next task of this phase or nullptr (the smem mainloop streams into it).
 template <u32 K>
-MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState& st, const TaskOperands& op,
+MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState<K>& st, const TaskOperands& op,
                               const TaskOperands* next, const Params& p) {
 #if MEGAMOE_SMEM_MAINLOOP
   cta_gemm<K>(acc, *sm, st, op, next, p);
@@ -56,8 +56,9 @@ MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState& st,
 // L1 task (token block, w13 tile wt): 256 interleaved rows = 128 gate + 128 up channels, so the
 // tile's gate rows use scale block wt and its up rows block I/128 + wt (checkpoint row order).
 MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& p, const Regions& me,
-                                        const TmaMaps& maps, u32 block, u32 wt) {
-  const TaskRows t = task_rows(table, block);
+                                        const TmaMaps& maps, const TaskCoord& at) {
+  const u32 wt = at.tile;
+  const TaskRows t = task_rows(table, at.block, at.expert);
   const u64 w_row0 = static_cast<u64>(t.expert) * 2 * kInter + wt * kTileRows;
   const float* gate_sc = nullptr;
   const float* up_sc = nullptr;
@@ -73,8 +74,9 @@ MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& 
 // L2 task (token block, w2 tile ht): a warp's rows lie in one 128-row scale block (both row
 // mappings of acc_row_base keep a warp inside an aligned 128-row block).
 MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& p, const Regions& me,
-                                        const TmaMaps& maps, u32 block, u32 ht) {
-  const TaskRows t = task_rows(table, block);
+                                        const TmaMaps& maps, const TaskCoord& at) {
+  const u32 ht = at.tile;
+  const TaskRows t = task_rows(table, at.block, at.expert);
   const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
   const float* sc = nullptr;
   if constexpr (kFP8)
@@ -104,7 +106,8 @@ struct EpilogueSmem {
 };
 
 // The epilogue tile of the task whose K loop just ended (state `st`).
-MEGAMOE_DEVICE u8* epilogue_tile(EpilogueSmem& smem, MainloopSmem* mainloop, const MainloopState& st) {
+template <class State>
+MEGAMOE_DEVICE u8* epilogue_tile(EpilogueSmem& smem, MainloopSmem* mainloop, const State& st) {
 #if MEGAMOE_EPILOGUE_IN_STAGE
   static_assert(kEpilogueTileBytes <= sizeof(MainloopSmem::a[0]), "the epilogue tile does not fit a stage");
   (void)smem;
@@ -124,19 +127,19 @@ MEGAMOE_DEVICE void release_epilogue_tile() {
 }
 
 // task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
-MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
+MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
                             u32 num_tasks) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   const TaskCoord at = task_coord<kTiles>(table, task);
   const u32 wt = at.tile;
-  const TaskOperands op = l1_operands(table, p, me, maps, at.block, wt);
+  const TaskOperands op = l1_operands(table, p, me, maps, at);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
     const TaskCoord next_at = task_coord<kTiles>(table, next_task);
-    const TaskOperands next = l1_operands(table, p, me, maps, next_at.block, next_at.tile);
+    const TaskOperands next = l1_operands(table, p, me, maps, next_at);
     task_gemm<kHidden>(acc, mainloop, st, op, &next, p);
   } else {
     task_gemm<kHidden>(acc, mainloop, st, op, nullptr, p);
@@ -184,12 +187,13 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const u32 tok = nt * 8 + 2 * t4 + j;
-      float scale = 1.0f;
+      float scale = 1.0f, inv_scale = 1.0f;  // one division per token, not per value
       if constexpr (kFP8) {
         float m = 0.0f;
 #pragma unroll
         for (u32 w = 0; w < kNumWarps; ++w) m = fmaxf(m, smem.amax[w][tok]);
         scale = fmaxf(m, kAmaxFloor) * (1.0f / kFP8Max);
+        inv_scale = 1.0f / scale;
         if (warp == 0 && g == 0 && tok < t.num_rows)
           me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
       }
@@ -197,7 +201,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
       for (int mt = 0; mt < 2; ++mt) {
         const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
         if constexpr (kFP8) {
-          tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(acc.v[mt][nt][j] / scale, 0.0f) & 0xff);
+          tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(acc.v[mt][nt][j] * inv_scale, 0.0f) & 0xff);
         } else {
           reinterpret_cast<u16*>(tile)[tok * 128 + channel] = f32_to_bf16(acc.v[mt][nt][j]);
         }
@@ -219,21 +223,21 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 
 // ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
 // during this one only when its token block is ready already.
-MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState& st,
+MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
                             u32 num_tasks, u32* ready_flag) {
   constexpr u32 kTiles = kHidden / kTileRows;
   const TaskCoord at = task_coord<kTiles>(table, task);
-  const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0};
+  const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const u32 ht = at.tile;
-  const TaskOperands op = l2_operands(table, p, me, maps, at.block, ht);
+  const TaskOperands op = l2_operands(table, p, me, maps, at);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const bool next_ready =
       wait_l1_block(p, me, at.block, next_at.block, ready_flag);
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
-    const TaskOperands next = l2_operands(table, p, me, maps, next_at.block, next_at.tile);
+    const TaskOperands next = l2_operands(table, p, me, maps, next_at);
     task_gemm<kInter>(acc, mainloop, st, op, &next, p);
   } else {
     task_gemm<kInter>(acc, mainloop, st, op, nullptr, p);

@@ -113,13 +113,31 @@ MEGAMOE_DEVICE float2 lds_f32x2(const float* p) {  // p 8-byte aligned
   return v;
 }
 
-// Chunks this CTA has issued in the current phase (a chunk's stage is its sequence number modulo
-// the stage count), and whether the previous task's last iterations already issued the first
-// stages of the current one (its K loop streams on into the next task instead of draining).
+// FP8: the scale-table entries of one task (K / 128 blocks) that this thread loads and stores
+// (load_task_scales); held in registers from one task to the next (MainloopState::next_scales).
+template <u32 KBlocks>
+struct TaskScaleRegs {
+  static constexpr u32 kTok = kFP8 ? (kTileTokens * KBlocks + kNumThreads - 1) / kNumThreads : 1;
+  static constexpr u32 kW = kFP8 ? (KBlocks + 31) / 32 : 1;
+  float tok[kTok];
+  float w[2][kW];
+  // Held across a K loop only where the registers are there: the DeepSeek-V3-like L1 (56 blocks,
+  // 18 values) spills the FP8 64-token build, which then loads its scales at each task's start.
+  static constexpr bool kPrefetch = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kTok + 2 * kW <= 12;
+};
+
+// Chunks this CTA has issued in the current phase of K = `K` (a chunk's stage is its sequence
+// number modulo the stage count), and whether the previous task's last iterations already issued
+// the first stages of the current one (its K loop streams on into the next task instead of
+// draining) and loaded its FP8 scales into registers (their load latency then hides behind the
+// previous task instead of starting every task: 6 % of a prefill's stall samples).
+template <u32 K>
 struct MainloopState {
   u32 seq;
   bool prefetched;
   int phase;  // for a stage-wait timeout report (kPhaseL1 / kPhaseL2)
+  bool scales_prefetched = false;
+  TaskScaleRegs<K / kScaleBlock> next_scales = {};
 };
 
 #if MEGAMOE_SMEM_MAINLOOP >= 3
@@ -148,7 +166,8 @@ MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
 MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
   const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
   mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
-  tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), static_cast<int>(op.rows.expert));
+  tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0),
+              (kAblate & kAblateWeightRows) ? 0 : static_cast<int>(op.rows.expert));
   tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k,
               (kAblate & kAblateTokenRows) ? 0 : static_cast<int>(op.rows.first_row));
 }
@@ -269,10 +288,51 @@ MEGAMOE_DEVICE u32 tok_scale_col(u32 kb, u32 tok) { return tok ^ ((2 * kb) & (kT
 // read the last valid row) and each warp's two weight-scale rows. Visible to every thread after
 // the first barrier of the K loop; the previous task finished reading them before its end.
 template <u32 KBlocks>
+MEGAMOE_DEVICE void load_task_scale_regs(TaskScaleRegs<KBlocks>& r, const TaskOperands& op) {
+  const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
+#pragma unroll
+  for (u32 j = 0; j < r.kTok; ++j) {
+    const u32 i = threadIdx.x + j * kNumThreads;
+    const u32 tok = i / KBlocks, kb = i % KBlocks;  // consecutive lanes: one row's blocks (coalesced)
+    const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
+    if (i < kTileTokens * KBlocks) r.tok[j] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
+  }
+  const u32 lane = threadIdx.x % 32;
+#pragma unroll
+  for (u32 j = 0; j < r.kW; ++j) {
+    const u32 kb = lane + 32 * j;
+    if (kb < KBlocks) {
+      r.w[0][j] = __ldg(op.w_scale[0] + kb);
+      r.w[1][j] = __ldg(op.w_scale[1] + kb);
+    }
+  }
+}
+
+template <u32 KBlocks>
+MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<KBlocks>& r) {
+#pragma unroll
+  for (u32 j = 0; j < r.kTok; ++j) {
+    const u32 i = threadIdx.x + j * kNumThreads;
+    const u32 tok = i / KBlocks, kb = i % KBlocks;
+    if (i < kTileTokens * KBlocks) sm.tok_scale[kb][tok_scale_col(kb, tok)] = r.tok[j];
+  }
+  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (u32 j = 0; j < r.kW; ++j) {
+    const u32 kb = lane + 32 * j;
+    if (kb < KBlocks) {
+      sm.w_scale[warp][0][kb] = r.w[0][j];
+      sm.w_scale[warp][1][kb] = r.w[1][j];
+    }
+  }
+}
+
+// The same entries loaded and stored one by one (no registers held: the builds without a prefetch).
+template <u32 KBlocks>
 MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
   for (u32 i = threadIdx.x; i < kTileTokens * KBlocks; i += kNumThreads) {
-    const u32 tok = i / KBlocks, kb = i % KBlocks;  // consecutive lanes: one row's blocks (coalesced)
+    const u32 tok = i / KBlocks, kb = i % KBlocks;
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
     sm.tok_scale[kb][tok_scale_col(kb, tok)] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
   }
@@ -367,7 +427,7 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
 // task's first chunks: the stream never drains between tasks either). A warpgroup can run at
 // most S chunks ahead of the other.
 template <u32 K>
-MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, MainloopState& st,
+MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st,
                                                const TaskOperands& cur, const TaskOperands* next, const Params& p) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
@@ -409,7 +469,7 @@ MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, M
 // during this task's last iterations, so the weight stream never drains between tasks (the
 // epilogue runs while they are in flight).
 template <u32 K>
-MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, const TaskOperands& cur,
+MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
                              const TaskOperands* next, const Params& p) {
   static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
 #if MEGAMOE_SMEM_MAINLOOP == 4
@@ -428,7 +488,13 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState& st, 
       cp_async_commit();
     }
   }
-  if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
+  if constexpr (kFP8) {  // visible to every thread after the first chunk's barrier
+    constexpr u32 KB = K / kScaleBlock;
+    if (TaskScaleRegs<KB>::kPrefetch && st.scales_prefetched) store_task_scale_regs<KB>(sm, st.next_scales);
+    else load_task_scales<KB>(sm, cur);
+    st.scales_prefetched = TaskScaleRegs<KB>::kPrefetch && next != nullptr;
+    if (st.scales_prefetched) load_task_scale_regs<KB>(st.next_scales, *next);  // in flight through the K loop
+  }
   for (u32 c = 0; c < kChunks; ++c) {
 #if MEGAMOE_SMEM_MAINLOOP == 3
     wait_stage(&sm.full[(st.seq + c) % S], (st.seq + c) % S, (st.seq + c) / S, p, st.phase);

@@ -11,18 +11,20 @@
 namespace megamoe::mega {
 
 struct TaskCoord {
-  u32 block;  // token block (index over all local experts' blocks, see ExpertTable)
-  u32 tile;   // weight tile of kTileRows rows
+  u32 block;   // token block (index over all local experts' blocks, see ExpertTable)
+  u32 tile;    // weight tile of kTileRows rows
+  u32 expert;  // the local expert that owns the block
 };
 
-// Tasks [block_start[e] * kTiles, block_start[e + 1] * kTiles) belong to expert e.
+// Tasks [block_start[e] * kTiles, block_start[e + 1] * kTiles) belong to expert e. Called by
+// whole converged warps (the expert search is warp-cooperative).
 template <u32 kTiles>
 MEGAMOE_DEVICE TaskCoord task_coord(const ExpertTable& table, u32 task) {
-  const u32 e = upper_bound_index(table.block_start, kNumLocalExperts, task / kTiles);
+  const u32 e = upper_bound_expert_warp(table.block_start, task / kTiles);
   const u32 first = table.block_start[e];
   const u32 blocks = table.block_start[e + 1] - first;
   const u32 i = task - first * kTiles;
-  return {first + i % blocks, i / blocks};
+  return {first + i % blocks, i / blocks, e};
 }
 
 }  // namespace megamoe::mega
