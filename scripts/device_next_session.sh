@@ -113,7 +113,9 @@ case "${STEP:-verify}" in
       python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash --tokens ${TOKENS:-64} --iters 3 \
       > "$OUT/ncu.txt" 2>&1
     grep -E "Throughput|Duration|Stall|Issued|Bandwidth|Hit Rate" "$OUT/ncu.txt" | head -60 ;;
-  ncu_src)  # stall samples per SASS instruction of one launch (one GPU, V4-Flash-like, TOKENS per rank)
+  ncu_src)  # stall samples per SASS instruction of one launch (one GPU, V4-Flash-like, TOKENS per rank),
+            # attributed to source lines (benchmarks/ncu_regions.py; the build has line info)
+    export VLLM_MEGAMOE_JIT_LINEINFO=${LINEINFO:-1}
     timeout 400 ncu --clock-control none --kernel-name megamoe_sm90_fused --launch-skip 4 --launch-count 1 \
       --section WarpStateStats --section SourceCounters --section SpeedOfLight -o "$OUT/rep" \
       python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash --tokens ${TOKENS:-4096} --iters 3 \
@@ -122,6 +124,8 @@ case "${STEP:-verify}" in
     ncu --import "$OUT/rep.ncu-rep" --page source --csv --print-source sass > "$OUT/source.csv" 2> "$OUT/source.err"
     ncu --import "$OUT/rep.ncu-rep" --page details > "$OUT/details.txt" 2>&1
     grep -E "Duration|Throughput|Issued|Stall" "$OUT/details.txt" | head -30
-    wc -c "$OUT/source.csv"; head -c 600 "$OUT/source.csv"; rm -f "$OUT/rep.ncu-rep" ;;
+    cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
+    python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
+    head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
   *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac
