@@ -12,28 +12,44 @@ namespace megamoe::mega {
 MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
 MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
 
-// x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 128-group).
+// x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 128-group),
+// kStageBatch of a warp's items loaded before any is converted (one load latency per batch).
+constexpr u32 kStageBatch = 4;
+
 MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
-  const u32 groups = kHidden / kScaleBlock;
-  for (u32 item = global_warp(); item < p.num_tokens * groups; item += total_warps()) {
-    const u32 token = item / groups, group = item % groups;
-    const u32 col = group * kScaleBlock + lane * 4;
-    const uint2 raw = *reinterpret_cast<const uint2*>(p.x + static_cast<u64>(token) * kHidden + col);
-    if constexpr (kFP8) {
-      float v[4] = {bf16_to_f32(raw.x & 0xffff), bf16_to_f32(raw.x >> 16), bf16_to_f32(raw.y & 0xffff),
-                    bf16_to_f32(raw.y >> 16)};
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  const u32 groups = kHidden / kScaleBlock, items = p.num_tokens * groups;
+  for (u32 item0 = global_warp(); item0 < items; item0 += kStageBatch * total_warps()) {
+    uint2 batch[kStageBatch];
 #pragma unroll
-      for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-      const float scale = fmaxf(amax, kAmaxFloor) * (1.0f / kFP8Max);
-      const float inv = 1.0f / scale;  // one division, four multiplies
-      const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] * inv, v[1] * inv)) |
-                         (static_cast<u32>(f32x2_to_e4m3x2(v[2] * inv, v[3] * inv)) << 16);
-      *reinterpret_cast<u32*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;
-      if (lane == 0) me.x_scale()[static_cast<u64>(token) * (kBufHidden / kScaleBlock) + group] = scale;
-    } else {
-      *reinterpret_cast<uint2*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col * 2) = raw;
+    for (u32 b = 0; b < kStageBatch; ++b) {
+      const u32 item = item0 + b * total_warps();  // warp-uniform
+      if (item < items)
+        batch[b] = *reinterpret_cast<const uint2*>(p.x + static_cast<u64>(item / groups) * kHidden +
+                                                   (item % groups) * kScaleBlock + lane * 4);
+    }
+#pragma unroll
+    for (u32 b = 0; b < kStageBatch; ++b) {
+      const u32 item = item0 + b * total_warps();
+      if (item >= items) break;
+      const uint2 raw = batch[b];
+      const u32 token = item / groups, group = item % groups;
+      const u32 col = group * kScaleBlock + lane * 4;
+      if constexpr (kFP8) {
+        float v[4] = {bf16_to_f32(raw.x & 0xffff), bf16_to_f32(raw.x >> 16), bf16_to_f32(raw.y & 0xffff),
+                      bf16_to_f32(raw.y >> 16)};
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+        for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+        const float scale = fmaxf(amax, kAmaxFloor) * (1.0f / kFP8Max);
+        const float inv = 1.0f / scale;  // one division, four multiplies
+        const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] * inv, v[1] * inv)) |
+                           (static_cast<u32>(f32x2_to_e4m3x2(v[2] * inv, v[3] * inv)) << 16);
+        *reinterpret_cast<u32*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;
+        if (lane == 0) me.x_scale()[static_cast<u64>(token) * (kBufHidden / kScaleBlock) + group] = scale;
+      } else {
+        *reinterpret_cast<uint2*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col * 2) = raw;
+      }
     }
   }
 }
@@ -123,9 +139,20 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
     Regions peer{p.peers[src]};
     const uint4* from = reinterpret_cast<const uint4*>(peer.x() + static_cast<u64>(token) * kRowBytesL1);
     uint4* to = reinterpret_cast<uint4*>(me.staging_l1() + static_cast<u64>(row) * kRowBytesL1);
-    constexpr u32 kChunks = kHidden * kElemBytes / 16;
-#pragma unroll 4
-    for (u32 c = lane; c < kChunks; c += 32) to[c] = __ldcg(from + c);
+    // A lane's chunks are loaded in batches before any is stored: loads and stores interleaved
+    // (the compiler cannot tell `to` from `from`) waited one NVLink round trip per 16 bytes.
+    constexpr u32 kChunks = kHidden * kElemBytes / 16, kPerLane = (kChunks + 31) / 32;
+    constexpr u32 kBatch = kPerLane < 4 ? kPerLane : 4;
+#pragma unroll
+    for (u32 c0 = 0; c0 < kPerLane; c0 += kBatch) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (u32 j = 0; j < kBatch; ++j)
+        if (const u32 c = lane + 32 * (c0 + j); c < kChunks) v[j] = __ldcg(from + c);
+#pragma unroll
+      for (u32 j = 0; j < kBatch; ++j)
+        if (const u32 c = lane + 32 * (c0 + j); c < kChunks) to[c] = v[j];
+    }
     if constexpr (kFP8) {
       constexpr u32 kGroups = kHidden / kScaleBlock;
       for (u32 gidx = lane; gidx < kGroups; gidx += 32)
