@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from benchmarks.kernel_probe import probe_shape
 
@@ -32,9 +31,10 @@ def expert_rows(tokens: int, ranks: int, experts: int, topk: int, seed: int = 0)
 
 
 def time_us(fn, iters: int = 10) -> float:
+    from benchmarks.common import median_us
     from benchmarks.timing import time_events
 
-    return statistics.median(time_events(fn, iters, warmup=3)) * 1e3
+    return median_us(time_events(fn, iters, warmup=3))
 
 
 def probe(shape_name: str, tokens: int, ranks: int, fmt: str, configs, iters: int) -> list[dict]:
@@ -57,10 +57,9 @@ def probe(shape_name: str, tokens: int, ranks: int, fmt: str, configs, iters: in
             xs = torch.rand(m, k // 128, device="cuda") + 0.5
             w = (torch.randn(e, n, k, device="cuda") * 0.5).to(fp8)
             ws = torch.rand(e, n // 128, k // 128, device="cuda") + 0.5
-            ref_a = x.view(m, k)
-            ceiling_b = w[0, :, :].t()
+            ceiling_b = w[0].t()  # one expert's weights: the same M x N x K as a dense GEMM
             ones_a, ones_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
-            ceiling = lambda: torch._scaled_mm(ref_a, ceiling_b, ones_a, ones_b, out_dtype=torch.bfloat16)  # noqa: E731
+            ceiling = lambda: torch._scaled_mm(x, ceiling_b, ones_a, ones_b, out_dtype=torch.bfloat16)  # noqa: E731
         else:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)

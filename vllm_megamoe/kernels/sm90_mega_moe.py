@@ -87,7 +87,8 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
 
 # Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
-# staging rows; weight_rows: every weight box reads expert 0's rows; MEGAMOE_ABLATE, csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
+# staging rows; weight_rows: every weight box reads expert 0's rows; MEGAMOE_ABLATE,
+# csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8}
 

@@ -287,6 +287,8 @@ MEGAMOE_DEVICE u32 tok_scale_col(u32 kb, u32 tok) { return tok ^ ((2 * kb) & (kT
 // The FP8 scales of one task into shared memory: token scales of its rows (past-the-end tokens
 // read the last valid row) and each warp's two weight-scale rows. Visible to every thread after
 // the first barrier of the K loop; the previous task finished reading them before its end.
+// Three ways: into registers during the previous task (load_task_scale_regs) and from there into
+// shared memory (store_task_scale_regs), or straight through (load_task_scales).
 template <u32 KBlocks>
 MEGAMOE_DEVICE void load_task_scale_regs(TaskScaleRegs<KBlocks>& r, const TaskOperands& op) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
@@ -327,7 +329,8 @@ MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<
   }
 }
 
-// The same entries loaded and stored one by one (no registers held: the builds without a prefetch).
+// The same entries loaded and stored one by one (no registers held: the builds without a
+// prefetch; routing this through TaskScaleRegs spilled the DeepSeek-V3-like FP8 cp.async builds).
 template <u32 KBlocks>
 MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
