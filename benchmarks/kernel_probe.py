@@ -106,7 +106,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                                  mainloop=resolved,
                                  graph_us=median_us(times), rel_err_vs_first_variant=err,
                                  clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
-                                 phases_us=phase_row(summary) if summary else {}))
+                                 phases_us=phase_row(summary) if summary else {},
+                                 task_us=summary.get("task_us", {}) if summary else {}))
         buf.destroy()
         del weights, buf
         torch.cuda.empty_cache()
@@ -126,6 +127,10 @@ def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
             m["clock_total_us"] = max(m["clock_total_us"] or 0.0, r["clock_total_us"] or 0.0)
             for k, v in r["phases_us"].items():
                 m["phases_us"][k] = max(m["phases_us"].get(k, 0.0), v)
+            m["task_us"] = dict(m.get("task_us") or {})
+            for k, v in (r.get("task_us") or {}).items():  # task counts summed, times the slower rank's
+                m["task_us"][k] = (m["task_us"].get(k, 0.0) + v if k.endswith("_tasks") and m["ranks"] > 1
+                                   else max(m["task_us"].get(k, 0.0), v))
             m.pop("rank", None)
     return list(cases.values())
 
@@ -139,6 +144,15 @@ def table(rows: list[dict]) -> str:
         cells += [f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES]
         cells.append(f"{r['rel_err_vs_first_variant']:.1e}")
         lines.append("  ".join(f"{c:>9}" for c in cells))
+    spans = [r for r in rows if r.get("task_us")]
+    if spans:  # an average task's spans (phase_clock.task_spans)
+        keys = ("l1_gemm", "l1_epilogue", "l1_between", "l2_wait", "l2_gemm", "l2_epilogue", "l2_between")
+        lines += ["", "us per task: " + "  ".join(f"{k:>11}" for k in keys) + "  tasks L1/L2"]
+        for r in spans:
+            t = r["task_us"]
+            lines.append(f"{r['shape'][:9]:>9} {r['tokens_per_rank']:>5} {r['variant'][-9:]:>9}: "
+                         + "  ".join(f"{t.get(k, float('nan')):11.2f}" for k in keys)
+                         + f"  {t.get('l1_tasks', 0):.0f}/{t.get('l2_tasks', 0):.0f}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@
 #                one-GPU CUDA-graph tests
 #   STEP=ablate  FP8 kernel tests of a few shapes, then the default build next to its ablations
 #                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
+#   STEP=spans   one-GPU kernel tests, then task spans (phase clock) of the three shapes, V4-Flash-like
+#                ablations (tma / mma / both) and optionally another commit's sources
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
@@ -89,6 +91,21 @@ case "${STEP:-verify}" in
       --variants ${VARIANTS:-default ablate=promotion ablate=mma} --out "$OUT/probe_ablate.json" 2>&1 | tail -14
     [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 \
       --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} --out "$OUT/probe_base.json" 2>&1 | tail -6 ;;
+  spans)    # ~8 min: one-GPU kernel tests (TESTS), then per-phase times and task spans (phase clock) of the
+            # default build for SHAPES x TOKENS, the V4-Flash-like 8192-token build next to its ablations
+            # (tma: the math alone; mma: the copies alone; tma+mma: the loop's skeleton) and, with
+            # BASE_CSRC=<another commit's csrc> (carry it), that build's times (its clock has no span
+            # columns: graph times only)
+    timeout 200 python3 -m pytest $T -o timeout=190 tests/gpu/test_sm90_mega_moe.py \
+      -k "${TESTS:-one_gpu or phase_clock}" > "$OUT/kernel_tests.log" 2>&1
+    tail -2 "$OUT/kernel_tests.log"
+    timeout 200 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
+      --tokens ${TOKENS:-8 1024 8192} --variants ${VARIANTS:-default} --out "$OUT/probe_spans.json" 2>&1 | tail -40
+    [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 \
+      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-8 1024 8192} \
+      --out "$OUT/probe_spans_base.json" 2>&1 | head -12
+    timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8192 \
+      --variants ${ABLATE_VARIANTS:-default ablate=tma ablate=mma ablate=tma+mma} --out "$OUT/probe_spans_ablate.json" 2>&1 | tail -12 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)

@@ -269,6 +269,9 @@ def test_phase_clock_marks_match_the_kernel():
     snake = [re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", n).lower() for n in names]
     assert snake == list(phase_clock.MARKS)
     assert "kNumPhaseMarks" in enum
+    spans = re.search(r"enum TaskSpan : int \{([^}]*)\}", src).group(1)
+    names = re.findall(r"\bkSpan(\w+)", spans)
+    assert [re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", n).lower() for n in names] == list(phase_clock.SPANS)
     # Two CTAs 1 us apart; CTA 1 needs 3 us more for L1, which delays everything after it.
     import torch
     base = 10**12
@@ -280,6 +283,28 @@ def test_phase_clock_marks_match_the_kernel():
     assert s["phases_us"]["l1_start->l1_done"] == pytest.approx(4.0)
     assert s["phases_us"]["l1_done->l2_start"] == pytest.approx(1.0)
     assert phase_clock.summarize(torch.zeros(2, len(cta0), dtype=torch.int64)) == {}
+
+
+def test_phase_clock_task_spans():
+    """Span columns become an average task's microseconds at the clock the L1 marks imply."""
+    import torch
+
+    from vllm_megamoe.kernels import phase_clock
+    marks = [10**12 + 1000 * i for i in range(len(phase_clock.MARKS))]  # L1 takes 1000 ns per CTA
+    spans = dict(l1_loop=2000, l1_tasks=2, l1_gemm=1200, l1_epilogue=600, l2_loop=900, l2_tasks=3, l2_wait=90,
+                 l2_gemm=450, l2_epilogue=300)  # cycles at 2 GHz (2000 cycles in 1000 ns)
+    row = marks + [spans[name] for name in phase_clock.SPANS]
+    idle = marks + [0] * len(phase_clock.SPANS)  # a CTA that got no task
+    s = phase_clock.summarize(torch.tensor([row, row, idle], dtype=torch.int64))
+    t = s["task_us"]
+    assert t["sm_ghz"] == pytest.approx(2.0)  # from the CTAs whose loop ran
+    ghz = 2.0
+    assert t["l1_tasks"] == 4 and t["l2_tasks"] == 6
+    assert t["l1_gemm"] == pytest.approx(2400 / 4 / ghz / 1e3)
+    assert t["l1_between"] == pytest.approx((4000 - 2400 - 1200) / 4 / ghz / 1e3)
+    assert t["l2_wait"] == pytest.approx(180 / 6 / ghz / 1e3)
+    assert t["l2_between"] == pytest.approx((1800 - 180 - 900 - 600) / 6 / ghz / 1e3)
+    assert "task_us" not in phase_clock.summarize(torch.tensor([marks], dtype=torch.int64))
 
 
 def test_params_mirror_matches_the_kernel_struct():

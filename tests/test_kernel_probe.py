@@ -45,6 +45,16 @@ def test_merge_takes_the_slowest_rank():
     assert "rank" not in m and "graph us" in kp.table(merged)
 
 
+def test_merge_sums_task_counts_and_keeps_the_slower_spans():
+    def row(rank, gemm, tasks):
+        return dict(shape="s", format="f", tokens_per_rank=8, variant="default", rank=rank, graph_us=10.0,
+                    rel_err_vs_first_variant=0.0, clock_total_us=9.0, ctas=132, phases_us={},
+                    task_us={"l1_gemm": gemm, "l1_tasks": tasks})
+    m = kp.merge([[row(0, 3.0, 10.0)], [row(1, 4.5, 12.0)]])[0]
+    assert m["task_us"] == {"l1_gemm": 4.5, "l1_tasks": 22.0}
+    assert "us per task" in kp.table([m]) and "22/0" in kp.table([m])
+
+
 def test_versus_puts_the_probe_default_next_to_the_benchmark_paths(tmp_path):
     import json
     probe = {"env": {"commit": "abc"}, "rows": [

@@ -21,6 +21,8 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
                    const __grid_constant__ TensorMap l2_map) {
   __shared__ ExpertTable table;
   __shared__ EpilogueSmem epilogue;
+  __shared__ TaskClock clock;
+  task_clock_init(p, clock);
 #if MEGAMOE_SMEM_MAINLOOP
   extern __shared__ __align__(16) u8 dynamic_smem[];
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
@@ -54,18 +56,22 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   const u32 blocks = table.block_start[kNumLocalExperts];
   __shared__ u32 task_slot;
   MainloopState<kHidden> l1_state{0, false, kPhaseL1};
+  loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
-    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles);
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, clock);
   });
+  loop_end(p, clock, kSpanL1Loop);
   mark_phase(p, kMarkL1Done);
   // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flag;
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
+  loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
-    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, &l2_ready_flag);
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, &l2_ready_flag, clock);
   });
+  loop_end(p, clock, kSpanL2Loop);
   mark_phase(p, kMarkL2Done);
   nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkCombined);
@@ -74,5 +80,6 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 
   reduce_combine(p, me);
   mark_phase(p, kMarkEnd);
+  write_task_clock(p, clock);
   reset_counters(me);
 }

@@ -144,8 +144,8 @@ def test_phase_clock_orders_the_phases_on_one_gpu():
     w13f, w2f = weights.dequantize()
     assert reference.relative_error(y, reference.moe_forward(x, idx, tw, w13f, w2f, emulate="fp8")) <= \
         EMULATED_BOUND["fp8-block"]
-    ns = clock.cpu()
     marks = list(phase_clock.MARKS)
+    ns, spans = clock.cpu()[:, :len(marks)], clock.cpu()[:, len(marks):]
     assert bool((ns > 0).all()), "a CTA left a mark unwritten"
     assert bool((ns[:, 1:] >= ns[:, :-1]).all()), "marks out of order within a CTA"
     # Grid barriers: staged -> dispatched, pulled -> l1_start, l2_done -> combined.
@@ -153,6 +153,18 @@ def test_phase_clock_orders_the_phases_on_one_gpu():
         assert int(ns[:, marks.index(after)].min()) >= int(ns[:, marks.index(before)].max()), (before, after)
     summary = phase_clock.summarize(clock)
     assert summary["ctas"] == ns.shape[0] and summary["total_us"] > 0
+    # Task spans: every task counted once (one GPU: every expert is local), and a task's spans fit its loop.
+    from vllm_megamoe.kernels import sm90_tuning
+    col = {name: spans[:, i] for i, name in enumerate(phase_clock.SPANS)}
+    tile = sm90_tuning.choose(shape, "fp8-block", 1, x.shape[0]).tile
+    rows = torch.bincount(idx[idx >= 0].flatten().long().cpu(), minlength=shape.num_experts)
+    blocks = int(((rows + tile - 1) // tile).sum())
+    assert int(col["l1_tasks"].sum()) == blocks * (2 * shape.intermediate // 256)
+    assert int(col["l2_tasks"].sum()) == blocks * (shape.hidden // 256)
+    assert bool((col["l1_gemm"] + col["l1_epilogue"] <= col["l1_loop"]).all())
+    assert bool((col["l2_wait"] + col["l2_gemm"] + col["l2_epilogue"] <= col["l2_loop"]).all())
+    task = summary["task_us"]
+    assert task["l1_gemm"] > 0 and task["l1_epilogue"] > 0 and task["l2_gemm"] > 0 and 0.5 < task["sm_ghz"] < 3.0
     with pytest.raises(ValueError, match="phase_clock"):
         sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, phase_clock=clock[:1])
     buf.destroy()

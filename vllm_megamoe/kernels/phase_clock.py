@@ -1,9 +1,11 @@
 """Per-phase timing of one launch of the fused SM90 kernel (csrc/sm90/mega/phase_clock.cuh).
 
 Kernel-level tools see one launch; this sees inside it. Pass `phase_clock=new_clock(...)` to
-`sm90_mega_moe.mega_moe`: thread 0 of every CTA writes %globaltimer at each mark below, and
-`summarize` turns the [CTAs, marks] nanoseconds into phase durations (from the earliest start):
-when the slowest CTA finished each step and how far apart the CTAs were.
+`sm90_mega_moe.mega_moe`: thread 0 of every CTA writes %globaltimer at each mark below and, at the
+end, the SM cycles its GEMM tasks spent in each span below (mainloop, epilogue, waits; two spans
+count tasks). `summarize` turns the [CTAs, marks + spans] row into phase durations (from the
+earliest start): when the slowest CTA finished each step and how far apart the CTAs were, and the
+microseconds of an average task's spans.
 """
 from __future__ import annotations
 
@@ -12,18 +14,24 @@ import torch
 # Same names, same order as enum PhaseMark in csrc/sm90/mega/phase_clock.cuh (tested).
 MARKS = ("start", "staged", "dispatched", "pulled", "l1_start", "l1_done", "l2_start", "l2_done", "combined",
          "end")
+# Same as enum TaskSpan: SM cycles summed over a CTA's tasks, or (*_tasks) a count of tasks.
+SPANS = ("l1_loop", "l1_tasks", "l1_gemm", "l1_epilogue", "l2_loop", "l2_tasks", "l2_wait", "l2_gemm",
+         "l2_epilogue")
+COLUMNS = len(MARKS) + len(SPANS)
 
 
 def new_clock(grid: int, device: torch.device) -> torch.Tensor:
-    """A zeroed [grid, len(MARKS)] int64 tensor for one launch with `grid` CTAs."""
-    return torch.zeros(grid, len(MARKS), dtype=torch.int64, device=device)
+    """A zeroed [grid, COLUMNS] int64 tensor for one launch with `grid` CTAs."""
+    return torch.zeros(grid, COLUMNS, dtype=torch.int64, device=device)
 
 
 def summarize(clock: torch.Tensor) -> dict:
     """Per mark: microseconds from the first CTA's start to the earliest / latest CTA reaching
-    it; per phase: the latest CTA's time from the previous mark (critical path) and the spread."""
-    ns = clock.detach().to("cpu", torch.float64)
-    ns = ns[(ns > 0).all(dim=1)]  # CTAs that wrote every mark
+    it; per phase: the latest CTA's time from the previous mark (critical path) and the spread;
+    with span columns, `task_us`: an average task's span in microseconds (task_spans)."""
+    full = clock.detach().to("cpu", torch.float64)
+    written = (full[:, :len(MARKS)] > 0).all(dim=1)  # CTAs that wrote every mark
+    ns, full = full[written, :len(MARKS)], full[written]
     if ns.numel() == 0:
         return {}
     rel = (ns - ns[:, 0].min()) / 1e3
@@ -31,4 +39,30 @@ def summarize(clock: torch.Tensor) -> dict:
     out = dict(ctas=int(ns.shape[0]), total_us=last[-1],
                marks={m: dict(first_us=f, last_us=l) for m, f, l in zip(MARKS, first, last)})
     out["phases_us"] = {f"{a}->{b}": last[i + 1] - last[i] for i, (a, b) in enumerate(zip(MARKS, MARKS[1:]))}
+    if full.shape[1] == COLUMNS:
+        out["task_us"] = task_spans(full)
+    return out
+
+
+def task_spans(clock: torch.Tensor) -> dict:
+    """An average task's spans in microseconds, from the span columns of every CTA: cycles summed
+    over CTAs / tasks, at the SM clock the CTAs' own L1 marks and cycles imply. `l*_between`: the
+    loop's cycles outside its tasks (the task queue's barrier and hand-off)."""
+    c = clock.to(torch.float64)
+    col = {name: c[:, len(MARKS) + i] for i, name in enumerate(SPANS)}
+    l1_ns = c[:, MARKS.index("l1_done")] - c[:, MARKS.index("l1_start")]
+    busy = (l1_ns > 0) & (col["l1_loop"] > 0)
+    if not bool(busy.any()):
+        return {}
+    ghz = float(col["l1_loop"][busy].sum() / l1_ns[busy].sum())  # cycles per ns
+    out = {"sm_ghz": ghz}
+    for phase, spans in (("l1", ("gemm", "epilogue")), ("l2", ("wait", "gemm", "epilogue"))):
+        tasks = float(col[f"{phase}_tasks"].sum())
+        out[f"{phase}_tasks"] = tasks
+        if tasks == 0:
+            continue
+        per_task = {s: float(col[f"{phase}_{s}"].sum()) / tasks / ghz / 1e3 for s in spans}
+        loop = float(col[f"{phase}_loop"].sum()) / tasks / ghz / 1e3
+        out.update({f"{phase}_{s}": us for s, us in per_task.items()})
+        out[f"{phase}_between"] = loop - sum(per_task.values())
     return out

@@ -85,12 +85,13 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     return cache[(shape, choice, ablate)]
 
 
-# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows ('+'-joined) builds a
+# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
-# staging rows; weight_rows: every weight box reads expert 0's rows; MEGAMOE_ABLATE,
+# staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
+# math runs on stale stages; MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
-ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8}
+ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16}
 
 
 def ablation_from_env() -> int:
@@ -198,7 +199,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
              y: Optional[torch.Tensor] = None, phase_clock: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused kernel for one layer on this rank (a collective; see ops.mega_moe).
 
-    phase_clock: optional int64 [CTAs, len(phase_clock.MARKS)] tensor (kernels.phase_clock) that
+    phase_clock: optional int64 [CTAs, phase_clock.COLUMNS] tensor (kernels.phase_clock) that
     receives every CTA's phase timestamps; grid_size(shape, buffer) gives the CTA count."""
     from ..portable import validate_call
     shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
@@ -229,9 +230,9 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         params.w13_scale, params.w2_scale = kw.w13_scale.data_ptr(), kw.w2_scale.data_ptr()
     params.error_record = error_record.record_for(x.device).data_ptr()
     if phase_clock is not None:
-        from .phase_clock import MARKS
+        from .phase_clock import COLUMNS
         grid = _grid_size(dev, spec)
-        check_tensor("phase_clock", phase_clock, dtype=torch.int64, shape=(grid, len(MARKS)), contiguous=True)
+        check_tensor("phase_clock", phase_clock, dtype=torch.int64, shape=(grid, COLUMNS), contiguous=True)
         require(phase_clock.device == x.device, f"phase_clock must be on {x.device}")
         params.phase_clock = phase_clock.data_ptr()
     for r, ptr in enumerate(buffer.buffer_ptrs):

@@ -12,6 +12,7 @@
 #include "mainloop_smem.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
+#include "phase_clock.cuh"
 #include "task_order.cuh"
 
 namespace megamoe::mega {
@@ -99,7 +100,9 @@ static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epil
 // pointer costs the mma.sync build and the DeepSeek-V3-like FP8 64-token wgmma build a spill.)
 #define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 3)
 struct EpilogueSmem {
-  float amax[kNumWarps][kTileTokens];
+  float amax[kNumWarps][kTileTokens];  // L1 FP8: each warp's amax per token (before the top-k weight)
+  float weight[kTileTokens];           // L1: the top-k weight of each token row
+  float inv_scale[kTileTokens];        // L1 FP8: 1 / the token's requantization scale
 #if !MEGAMOE_EPILOGUE_IN_STAGE
   alignas(16) u8 tile[kEpilogueTileBytes];
 #endif
@@ -129,13 +132,16 @@ MEGAMOE_DEVICE void release_epilogue_tile() {
 // task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks) {
+                            u32 num_tasks, TaskClock& clock) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
+  span_start(p, clock);
   const TaskCoord at = task_coord<kTiles>(table, task);
   const u32 wt = at.tile;
   const TaskOperands op = l1_operands(table, p, me, maps, at);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  // Thread i < tokens: token i's top-k weight, loaded now so its latency hides behind the K loop.
+  const float my_weight = threadIdx.x < t.num_rows ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x) : 0.0f;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
     const TaskCoord next_at = task_coord<kTiles>(table, next_task);
@@ -144,16 +150,17 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   } else {
     task_gemm<kHidden>(acc, mainloop, st, op, nullptr, p);
   }
+  span_end(p, clock, kSpanL1Gemm);
 
   // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel. The
   // activation replaces the gate value in acc (a separate array spills with 128-token tiles).
+  // The top-k weight multiplies in after the amax: |s x w| rounds monotonically, so the token's
+  // amax of s x w is its amax of s times |w|, exactly.
   float tok_amax[kTokenTiles][2];
 #pragma unroll
   for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const u32 tok = nt * 8 + 2 * t4 + j;
-      const float w = tok < t.num_rows ? ld_cg_f32(me.staging_weight() + t.first_row + tok) : 0.0f;
       tok_amax[nt][j] = 0.0f;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -162,14 +169,14 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
           gate = fminf(gate, p.clamp);
           up = fminf(fmaxf(up, -p.clamp), p.clamp);
         }
-        const float v = silu(gate) * up * w;
+        const float v = silu(gate) * up;
         acc.v[mt][nt][j] = v;
         tok_amax[nt][j] = fmaxf(tok_amax[nt][j], fabsf(v));
       }
     }
-  u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16
+  if (threadIdx.x < kTileTokens) smem.weight[threadIdx.x] = my_weight;
   if constexpr (kFP8) {
-    // Per-token amax over the tile's 128 channels: across g in the warp, then across warps.
+    // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
 #pragma unroll
     for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
@@ -180,30 +187,38 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
         if (g == 0) smem.amax[warp][nt * 8 + 2 * t4 + j] = m;
       }
+  }
+  __syncthreads();
+  if constexpr (kFP8) {
+    // One thread per token: the scale (one division per token) for every thread's values.
+    if (threadIdx.x < kTileTokens) {
+      const u32 tok = threadIdx.x;
+      float m = 0.0f;
+#pragma unroll
+      for (u32 w = 0; w < kNumWarps; ++w) m = fmaxf(m, smem.amax[w][tok]);
+      const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
+      smem.inv_scale[tok] = 1.0f / scale;
+      if (tok < t.num_rows)
+        me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
+    }
     __syncthreads();
   }
+  u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16
 #pragma unroll
   for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const u32 tok = nt * 8 + 2 * t4 + j;
-      float scale = 1.0f, inv_scale = 1.0f;  // one division per token, not per value
-      if constexpr (kFP8) {
-        float m = 0.0f;
-#pragma unroll
-        for (u32 w = 0; w < kNumWarps; ++w) m = fmaxf(m, smem.amax[w][tok]);
-        scale = fmaxf(m, kAmaxFloor) * (1.0f / kFP8Max);
-        inv_scale = 1.0f / scale;
-        if (warp == 0 && g == 0 && tok < t.num_rows)
-          me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
-      }
+      const float w = smem.weight[tok];
+      const float inv_scale = kFP8 ? smem.inv_scale[tok] : 1.0f;  // read before the tile stores (may alias)
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
+        const float v = acc.v[mt][nt][j] * w;
         if constexpr (kFP8) {
-          tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(acc.v[mt][nt][j] * inv_scale, 0.0f) & 0xff);
+          tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
         } else {
-          reinterpret_cast<u16*>(tile)[tok * 128 + channel] = f32_to_bf16(acc.v[mt][nt][j]);
+          reinterpret_cast<u16*>(tile)[tok * 128 + channel] = f32_to_bf16(v);
         }
       }
     }
@@ -219,14 +234,17 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   release_epilogue_tile();
   __syncthreads();
   publish_l1_tile(me, at.block);
+  span_end(p, clock, kSpanL1Epilogue);
+  span_count(p, clock, kSpanL1Tasks);
 }
 
 // ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
 // during this one only when its token block is ready already.
 MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, u32* ready_flag) {
+                            u32 num_tasks, u32* ready_flag, TaskClock& clock) {
   constexpr u32 kTiles = kHidden / kTileRows;
+  span_start(p, clock);
   const TaskCoord at = task_coord<kTiles>(table, task);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const u32 ht = at.tile;
@@ -235,6 +253,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const bool next_ready =
       wait_l1_block(p, me, at.block, next_at.block, ready_flag);
+  span_end(p, clock, kSpanL2Wait);
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
     const TaskOperands next = l2_operands(table, p, me, maps, next_at);
@@ -242,6 +261,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   } else {
     task_gemm<kInter>(acc, mainloop, st, op, nullptr, p);
   }
+  span_end(p, clock, kSpanL2Gemm);
   // Rounded to BF16 pairs first: half the registers stay live through the passes' stores.
   u32 out[2][kTokenTiles][2];
 #pragma unroll
@@ -288,6 +308,8 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     release_epilogue_tile();
     __syncthreads();
   }
+  span_end(p, clock, kSpanL2Epilogue);
+  span_count(p, clock, kSpanL2Tasks);
 }
 
 }  // namespace megamoe::mega

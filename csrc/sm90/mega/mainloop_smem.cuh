@@ -164,6 +164,10 @@ MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
 #if MEGAMOE_SMEM_MAINLOOP >= 3
 // TMA: the two box copies of chunk `chunk` into `stage`, completing on its mbarrier (one thread).
 MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
+  if constexpr (kAblate & kAblateTma) {  // the stage's phase completes with this arrival alone
+    mbarrier_arrive(&sm.full[stage]);
+    return;
+  }
   const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
   mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
   tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0),

@@ -1,7 +1,10 @@
 // Optional per-CTA timestamps of the kernel's phase boundaries (profiling without a profiler:
 // the phases of one launch cannot be told apart by kernel-level tools). When Params::phase_clock
-// is set, thread 0 of every CTA writes %globaltimer at each mark into phase_clock[cta][mark].
-// The Python twin is vllm_megamoe.kernels.phase_clock (same marks, same order).
+// is set, thread 0 of every CTA writes %globaltimer at each mark into phase_clock[cta][mark], and
+// at the end the SM cycles it spent in each span of its GEMM tasks (mainloop, epilogue, waits)
+// into phase_clock[cta][kNumPhaseMarks + span]: where a task's time goes, which the marks cannot
+// say because a CTA's tasks interleave K loops and epilogues.
+// The Python twin is vllm_megamoe.kernels.phase_clock (same marks and spans, same order).
 #pragma once
 #include "params.cuh"
 #include "sync.cuh"
@@ -22,9 +25,71 @@ enum PhaseMark : int {
   kNumPhaseMarks
 };
 
+// SM cycles (clock64) summed over the CTA's tasks; *Tasks count tasks instead.
+enum TaskSpan : int {
+  kSpanL1Loop = 0,   // the whole L1 task loop
+  kSpanL1Tasks,      // L1 tasks run
+  kSpanL1Gemm,       // task start (lookup, operands) to the end of its K loop
+  kSpanL1Epilogue,   // SwiGLU, requantization, stores and the block's release
+  kSpanL2Loop,       // the whole L2 task loop
+  kSpanL2Tasks,
+  kSpanL2Wait,       // task start to its token block's L1 tiles being ready
+  kSpanL2Gemm,       // to the end of the K loop
+  kSpanL2Epilogue,   // BF16 rows to the source ranks' combine buffers
+  kNumTaskSpans
+};
+constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
+
 MEGAMOE_DEVICE void mark_phase(const Params& p, PhaseMark mark) {
   if (p.phase_clock != nullptr && threadIdx.x == 0)
-    p.phase_clock[static_cast<u64>(blockIdx.x) * kNumPhaseMarks + mark] = global_timer_ns();
+    p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockColumns + mark] = global_timer_ns();
+}
+
+// Thread 0's running sums, in shared memory (no registers held across the K loops).
+struct TaskClock {
+  u64 since;       // clock64 at the end of the previous span
+  u64 loop_since;  // clock64 at the start of the current task loop
+  u64 sum[kNumTaskSpans];
+};
+
+MEGAMOE_DEVICE u64 sm_clock() { return static_cast<u64>(clock64()); }
+
+MEGAMOE_DEVICE void task_clock_init(const Params& p, TaskClock& c) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0)
+    for (int s = 0; s < kNumTaskSpans; ++s) c.sum[s] = 0;
+}
+
+// Starts timing: the next span_end measures from here.
+MEGAMOE_DEVICE void span_start(const Params& p, TaskClock& c) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0) c.since = sm_clock();
+}
+
+// Adds the cycles since the last span_start / span_end to `span` and starts the next span.
+MEGAMOE_DEVICE void span_end(const Params& p, TaskClock& c, TaskSpan span) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0) {
+    const u64 now = sm_clock();
+    c.sum[span] += now - c.since;
+    c.since = now;
+  }
+}
+
+MEGAMOE_DEVICE void span_count(const Params& p, TaskClock& c, TaskSpan span) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0) c.sum[span] += 1;
+}
+
+// A whole task loop: loop_start before it, loop_end(kSpanL1Loop / kSpanL2Loop) after it.
+MEGAMOE_DEVICE void loop_start(const Params& p, TaskClock& c) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0) c.loop_since = sm_clock();
+}
+
+MEGAMOE_DEVICE void loop_end(const Params& p, TaskClock& c, TaskSpan span) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0) c.sum[span] += sm_clock() - c.loop_since;
+}
+
+MEGAMOE_DEVICE void write_task_clock(const Params& p, const TaskClock& c) {
+  if (p.phase_clock != nullptr && threadIdx.x == 0)
+    for (int s = 0; s < kNumTaskSpans; ++s)
+      p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockColumns + kNumPhaseMarks + s] = c.sum[s];
 }
 
 }  // namespace megamoe::mega
