@@ -409,6 +409,79 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
   promote_tile(acc.v[1], part1, scales);
 }
 
+// FP8 with the TMA stages: a chunk's second wgmma group is promoted during the next chunk, after
+// that chunk's first group is issued, so the tensor cores always have a group queued while a
+// partial is promoted, the CTA barrier waited at and the next group issued (with both groups
+// promoted inside their chunk, the tensor cores idled through every chunk's tail).
+constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
+
+#if MEGAMOE_SMEM_MAINLOOP == 3
+// The lagged loop's refill after chunk c's CTA barrier: chunk c + S - 1 into chunk c - 1's stage,
+// whose second group every warpgroup waited for before the barrier.
+template <u32 K>
+MEGAMOE_DEVICE void lagged_refill(MainloopSmem& sm, const MainloopState<K>& st, u32 c, const TaskOperands& cur,
+                                  const TaskOperands* next) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  const u32 ahead = c + S - 1;
+  if (ahead < kChunks)
+    load_chunk<K>(sm, (st.seq + ahead) % S, ahead, cur);
+  else if (next != nullptr)
+    load_chunk<K>(sm, (st.seq + ahead) % S, ahead - kChunks, *next);
+}
+
+// One m64 group of a staged chunk into `part` (overwritten), committed.
+MEGAMOE_DEVICE void issue_group(float (&part)[kAccum], const MainloopSmem& sm, u32 stage, u32 mt) {
+  fence_accumulators(part);
+  wgmma_fence();  // part was read by the last promotion
+  wgmma_k_steps(stage_desc_a(sm, stage, mt), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
+  wgmma_commit_group();
+}
+
+// Waits until at most kPending groups are in flight, then promotes `part` (not among them).
+template <int kPending>
+MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)[kAccum], const PromoteScales& s) {
+  fence_accumulators(part);
+  wgmma_wait_group<kPending>();
+  fence_accumulators(part);
+  promote_tile(acc_mt, part, s);
+}
+
+// The K loop of one task with lagged promotion (acc zeroed, the first S - 1 chunks issued): per
+// chunk c, g0(c) -> part0, promote g1(c - 1), CTA barrier and refill of chunk c - 1's stage,
+// g1(c) -> part1, promote g0(c). The barrier comes after g1(c - 1) is waited for, so the loop
+// still streams S - 1 chunks ahead, and g0(c) keeps the tensor cores busy through it. Chunk 0 is
+// peeled off so that no branch inside the loop hides from ptxas which group a wait completes.
+template <u32 K>
+MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
+                                            const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  float part0[kAccum], part1[kAccum];
+  PromoteScales scales;  // chunk c's, from its first group's promotion to its second's
+  u32 stage = st.seq % S;
+  wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
+  issue_group(part0, sm, stage, 0);
+  __syncthreads();  // also: the task's scale tables are stored
+  lagged_refill<K>(sm, st, 0, cur, next);
+  issue_group(part1, sm, stage, 1);
+  load_promote_scales(scales, sm, 0);
+  promote_after<1>(acc.v[0], part0, scales);
+  for (u32 c = 1; c < kChunks; ++c) {
+    stage = (st.seq + c) % S;
+    wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
+    issue_group(part0, sm, stage, 0);
+    promote_after<1>(acc.v[1], part1, scales);  // g1(c - 1) while g0(c) runs
+    __syncthreads();  // every warpgroup is done with chunk c - 1's stage
+    lagged_refill<K>(sm, st, c, cur, next);
+    issue_group(part1, sm, stage, 1);
+    load_promote_scales(scales, sm, c);
+    promote_after<1>(acc.v[0], part0, scales);  // g0(c) while g1(c) runs
+  }
+  promote_after<0>(acc.v[1], part1, scales);
+}
+#endif
+
 // acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
 MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
   if constexpr (!kFP8) {
@@ -502,6 +575,10 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     st.scales_prefetched = TaskScaleRegs<KB>::kPrefetch && next != nullptr;
     if (st.scales_prefetched) load_task_scale_regs<KB>(st.next_scales, *next);  // in flight through the K loop
   }
+#if MEGAMOE_SMEM_MAINLOOP == 3
+  if constexpr (kLagPromotion) k_loop_lagged_promotion<K>(acc, sm, st, cur, next, p);
+  else
+#endif
   for (u32 c = 0; c < kChunks; ++c) {
 #if MEGAMOE_SMEM_MAINLOOP == 3
     wait_stage(&sm.full[(st.seq + c) % S], (st.seq + c) % S, (st.seq + c) / S, p, st.phase);
