@@ -85,13 +85,14 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     return cache[(shape, choice, ablate)]
 
 
-# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma ('+'-joined) builds a
+# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
 # staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
-# math runs on stale stages; MEGAMOE_ABLATE,
+# math runs on stale stages; tma_warm: only each CTA's first S chunks are copied, later chunks
+# compute on those real bytes; MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
-ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16}
+ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32}
 
 
 def ablation_from_env() -> int:

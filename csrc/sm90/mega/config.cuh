@@ -90,11 +90,12 @@ static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-me
 #define MEGAMOE_ABLATE 0
 #endif
 constexpr u32 kAblate = MEGAMOE_ABLATE;
-constexpr u32 kAblatePromotion = 1;  // FP8: partial sums never scaled into the accumulators
+constexpr u32 kAblatePromotion = 1;  // FP8: partial sums never scaled into the accumulators (one value added)
 constexpr u32 kAblateMma = 2;        // wgmma never issued (TMA stages still stream and are waited for)
 constexpr u32 kAblateTokenRows = 4;  // TMA token boxes always read staging rows 0.. (hot in L2)
 constexpr u32 kAblateWeightRows = 8; // TMA weight boxes always read expert 0's rows (hot in L2)
 constexpr u32 kAblateTma = 16;       // no TMA copies: stages complete at once and hold stale bytes (math alone)
+constexpr u32 kAblateTmaWarm = 32;   // only the CTA's first S chunks are copied; later chunks reuse those bytes
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;
