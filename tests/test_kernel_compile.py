@@ -238,6 +238,18 @@ def test_ablation_builds_are_profiling_only(monkeypatch):
     assert sm90_mega_moe.kernel_spec(shape, buf) == plain
 
 
+def test_ablation_bits_match_the_kernel():
+    """The op's ablation names and bits are config.cuh's kAblate* constants (and the preprocessor
+    test of tma_warm in mainloop_smem.cuh uses the same bit)."""
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    mega = jit.csrc_dir() / "sm90" / "mega"
+    pairs = re.findall(r"constexpr u32 kAblate(\w+) = (\d+);", (mega / "config.cuh").read_text())
+    kernel = {re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower(): int(bit) for name, bit in pairs}
+    assert kernel == sm90_mega_moe.ABLATIONS
+    assert f"#if MEGAMOE_ABLATE & {kernel['tma_warm']}" in (mega / "mainloop_smem.cuh").read_text()
+
+
 def test_error_record_phases_match_the_kernel():
     """Python's phase names are the CUDA enum's, in order; every record kind has a message."""
     from vllm_megamoe.kernels import error_record
