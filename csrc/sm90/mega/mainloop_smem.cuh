@@ -12,7 +12,8 @@
 //   MEGAMOE_SMEM_MAINLOOP=3 (tma): the same stages and wgmmas, filled by one thread with TMA box
 //     copies (tensor maps from the host, 128-byte swizzle) that complete on a per-stage mbarrier;
 //     token rows past the task's end are whatever follows in staging (their columns are never
-//     stored), rows past the staging region are zero-filled.
+//     stored), rows past the staging region are zero-filled. FP8 promotes with a lag of one
+//     wgmma group (k_loop_lagged_promotion).
 //   MEGAMOE_SMEM_MAINLOOP=4 (tma_wg): the TMA stages without the CTA barrier per K chunk: each
 //     warpgroup releases a stage when its wgmmas on it are done, and the second release of a
 //     stage issues the chunk that goes into it next, so the two warpgroups drift apart and one's
@@ -427,9 +428,10 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 }
 
 // FP8 with the TMA stages: a chunk's second wgmma group is promoted during the next chunk, after
-// that chunk's first group is issued, so the tensor cores always have a group queued while a
-// partial is promoted, the CTA barrier waited at and the next group issued (with both groups
-// promoted inside their chunk, the tensor cores idled through every chunk's tail).
+// that chunk's first group is issued, so a group is queued on the tensor cores while a partial is
+// promoted, the CTA barrier waited at and the next group issued (1.03-1.15x on the K loop over
+// promoting both groups inside their chunk; one queued m64n64 group is still too short to hide a
+// promotion: docs/kernel_notes.md v7).
 constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
 
 #if MEGAMOE_SMEM_MAINLOOP == 3
