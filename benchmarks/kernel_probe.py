@@ -23,7 +23,8 @@ PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"
           ("reduce", "combined", "end"))
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
-         # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows; wrong outputs)
+         # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
+         # tma_warm; wrong outputs)
          "ablate": "VLLM_MEGAMOE_SM90_ABLATE"}
 
 

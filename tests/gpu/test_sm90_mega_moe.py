@@ -60,6 +60,27 @@ def test_multi_gpu(shape_name, fmt):
 
 
 @requires_sm90
+@pytest.mark.parametrize("tile", ["32", "64"])
+@pytest.mark.parametrize("shape_name", ["small-odd", "v4-flash", "qwen3-30b-a3b"])
+def test_pingpong_one_gpu(shape_name, tile, monkeypatch):
+    """The opt-in tma_pp mainloop (FP8 K loop with ping-pong warpgroups, stages released per warp)."""
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma_pp")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
+    rows = _rank(0, 1, None, shape_name, "fp8-block", CASES_1GPU)
+    assert_rows([rows], "fp8-block")
+
+
+@requires_sm90
+@pytest.mark.multigpu
+@requires_ranks
+def test_pingpong_multi_gpu(monkeypatch):
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma_pp")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    rows = run_ranks(_rank, RANKS, ("v4-flash", "fp8-block", CASES_NGPU), backend="nccl", timeout_s=600)
+    assert_rows(rows, "fp8-block")
+
+
+@requires_sm90
 @pytest.mark.multigpu
 @requires_ranks
 def test_back_to_back_calls_multi_gpu():
