@@ -119,6 +119,8 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                    MEGAMOE_FP8=int(fmt == "fp8-block"), MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[choice.mainloop],
                    MEGAMOE_TILE_TOKENS=choice.tile)
     if choice.mainloop == "tma_pp":
+        logger.warning("SM90 mainloop tma_pp (ping-pong warpgroups) is experimental: it has not yet been validated "
+                       "on a GPU; the tma mainloop is the tested default")
         defines.update(MEGAMOE_PINGPONG=1)
     if choice.mainloop != "ldg":
         smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
