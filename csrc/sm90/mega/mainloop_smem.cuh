@@ -227,6 +227,19 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
 #endif
 }
 
+// Chunk `ahead` of the current task or, past its end, chunk ahead - K-chunks of the next task (when
+// the loop streams on into it; nothing otherwise), into the stage its sequence number selects.
+template <u32 K>
+MEGAMOE_DEVICE void load_chunk_ahead(MainloopSmem& sm, const MainloopState<K>& st, u32 ahead, const TaskOperands& cur,
+                                     const TaskOperands* next) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  const u32 stage = (st.seq + ahead) % kMainloopStages;
+  if (ahead < kChunks)
+    load_chunk<K>(sm, stage, ahead, cur);
+  else if (next != nullptr)
+    load_chunk<K>(sm, stage, ahead - kChunks, *next);
+}
+
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
 // Only the first `ntiles` n8 token tiles hold rows of the task (uniform over the CTA).
 MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles) {  // 32-token tiles
@@ -450,20 +463,6 @@ constexpr bool kPingPong = kFP8 && MEGAMOE_PINGPONG;
 constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3 && !kPingPong;
 
 #if MEGAMOE_SMEM_MAINLOOP == 3
-// The lagged loop's refill after chunk c's CTA barrier: chunk c + S - 1 into chunk c - 1's stage,
-// whose second group every warpgroup waited for before the barrier.
-template <u32 K>
-MEGAMOE_DEVICE void lagged_refill(MainloopSmem& sm, const MainloopState<K>& st, u32 c, const TaskOperands& cur,
-                                  const TaskOperands* next) {
-  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
-  constexpr u32 S = kMainloopStages;
-  const u32 ahead = c + S - 1;
-  if (ahead < kChunks)
-    load_chunk<K>(sm, (st.seq + ahead) % S, ahead, cur);
-  else if (next != nullptr)
-    load_chunk<K>(sm, (st.seq + ahead) % S, ahead - kChunks, *next);
-}
-
 // One m64 group of a staged chunk into `part` (overwritten), committed.
 MEGAMOE_DEVICE void issue_group(float (&part)[kAccum], const MainloopSmem& sm, u32 stage, u32 mt) {
   fence_accumulators(part);
@@ -497,7 +496,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
   issue_group(part0, sm, stage, 0);
   __syncthreads();  // also: the task's scale tables are stored
-  lagged_refill<K>(sm, st, 0, cur, next);
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
   issue_group(part1, sm, stage, 1);
   load_promote_scales(scales, sm, 0);
   promote_after<1>(acc.v[0], part0, scales);
@@ -507,7 +506,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     issue_group(part0, sm, stage, 0);
     promote_after<1>(acc.v[1], part1, scales);  // g1(c - 1) while g0(c) runs
     __syncthreads();  // every warpgroup is done with chunk c - 1's stage
-    lagged_refill<K>(sm, st, c, cur, next);
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
     issue_group(part1, sm, stage, 1);
     load_promote_scales(scales, sm, c);
     promote_after<1>(acc.v[0], part0, scales);  // g0(c) while g1(c) runs
@@ -624,10 +623,6 @@ MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, M
 }
 #endif
 
-// The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
-// `next` (or nullptr): the CTA's next task of the same phase; its first kAhead chunks are issued
-// during this task's last iterations, so the weight stream never drains between tasks (the
-// epilogue runs while they are in flight).
 // FP8: the task's scale tables into shared memory (from the registers the previous task filled,
 // or loaded now), and the next task's into registers while this one's K loop runs.
 template <u32 K>
@@ -664,6 +659,10 @@ MEGAMOE_DEVICE void cta_gemm_pingpong(WarpAcc& acc, MainloopSmem& sm, MainloopSt
 }
 #endif
 
+// The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
+// `next` (or nullptr): the CTA's next task of the same phase; its first kAhead chunks are issued
+// during this task's last iterations, so the weight stream never drains between tasks (the
+// epilogue runs while they are in flight).
 template <u32 K>
 MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
                              const TaskOperands* next, const Params& p) {
@@ -703,11 +702,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
 #endif
     __syncthreads();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
-    const u32 ahead = c + kAhead;
-    if (ahead < kChunks)
-      load_chunk<K>(sm, (st.seq + ahead) % S, ahead, cur);
-    else if (next != nullptr)
-      load_chunk<K>(sm, (st.seq + ahead) % S, ahead - kChunks, *next);
+    load_chunk_ahead<K>(sm, st, c + kAhead, cur, next);
     cp_async_commit();
     chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
   }
