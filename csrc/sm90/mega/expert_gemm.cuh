@@ -29,11 +29,11 @@ MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32
 
 // acc = this warp's 32 rows x 32 tokens of the task's GEMM over K (see the file comment).
 // `next`: the CTA's next task of this phase or nullptr (the smem mainloop streams into it).
-template <u32 K>
+template <u32 K, u32 kN = kTileTokens>
 MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState<K>& st, const TaskOperands& op,
                               const TaskOperands* next, const Params& p) {
 #if MEGAMOE_SMEM_MAINLOOP
-  cta_gemm<K>(acc, *sm, st, op, next, p);
+  cta_gemm<K, kN>(acc, *sm, st, op, next, p);
 #else
   (void)sm, (void)st, (void)next, (void)p;
   constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
@@ -129,15 +129,16 @@ MEGAMOE_DEVICE void release_epilogue_tile() {
 #endif
 }
 
-// task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
-MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
-                            const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, TaskClock& clock) {
+// One L1 task from its coordinate and operands on: the K loop and epilogue over the first kN
+// token columns (kTileTokens, or kNarrowTokens when the block holds no more rows).
+template <u32 kN>
+MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop,
+                                    MainloopState<kHidden>& st, const Params& p, const Regions& me, const TmaMaps& maps,
+                                    const TaskCoord& at, const TaskOperands& op, u32 next_task, u32 num_tasks,
+                                    TaskClock& clock) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
-  span_start(p, clock);
-  const TaskCoord at = task_coord<kTiles>(table, task);
+  constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
   const u32 wt = at.tile;
-  const TaskOperands op = l1_operands(table, p, me, maps, at);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   // Thread i < tokens: token i's top-k weight, loaded now so its latency hides behind the K loop.
@@ -146,9 +147,9 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
     const TaskCoord next_at = task_coord<kTiles>(table, next_task);
     const TaskOperands next = l1_operands(table, p, me, maps, next_at);
-    task_gemm<kHidden>(acc, mainloop, st, op, &next, p);
+    task_gemm<kHidden, kN>(acc, mainloop, st, op, &next, p);
   } else {
-    task_gemm<kHidden>(acc, mainloop, st, op, nullptr, p);
+    task_gemm<kHidden, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL1Gemm);
 
@@ -156,9 +157,9 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   // activation replaces the gate value in acc (a separate array spills with 128-token tiles).
   // The top-k weight multiplies in after the amax: |s x w| rounds monotonically, so the token's
   // amax of s x w is its amax of s times |w|, exactly.
-  float tok_amax[kTokenTiles][2];
+  float tok_amax[kNTiles][2];
 #pragma unroll
-  for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
+  for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       tok_amax[nt][j] = 0.0f;
@@ -174,11 +175,11 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
         tok_amax[nt][j] = fmaxf(tok_amax[nt][j], fabsf(v));
       }
     }
-  if (threadIdx.x < kTileTokens) smem.weight[threadIdx.x] = my_weight;
+  if (threadIdx.x < kN) smem.weight[threadIdx.x] = my_weight;
   if constexpr (kFP8) {
     // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
 #pragma unroll
-    for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
+    for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         float m = tok_amax[nt][j];
@@ -191,7 +192,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   __syncthreads();
   if constexpr (kFP8) {
     // One thread per token: the scale (one division per token) for every thread's values.
-    if (threadIdx.x < kTileTokens) {
+    if (threadIdx.x < kN) {
       const u32 tok = threadIdx.x;
       float m = 0.0f;
 #pragma unroll
@@ -205,7 +206,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   }
   u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16
 #pragma unroll
-  for (int nt = 0; nt < static_cast<int>(kTokenTiles); ++nt)
+  for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const u32 tok = nt * 8 + 2 * t4 + j;
@@ -225,7 +226,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   __syncthreads();
   // Coalesced 16-byte stores of the valid token rows.
   constexpr u32 kRowBytes = 128 * kElemBytes, kChunksPerRow = kRowBytes / 16;
-  for (u32 c = threadIdx.x; c < kTileTokens * kChunksPerRow; c += kNumThreads) {
+  for (u32 c = threadIdx.x; c < kN * kChunksPerRow; c += kNumThreads) {
     const u32 tok = c / kChunksPerRow, chunk = c % kChunksPerRow;
     if (tok >= t.num_rows) continue;
     u8* dst = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * kRowBytes + chunk * 16;
@@ -238,44 +239,57 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   span_count(p, clock, kSpanL1Tasks);
 }
 
-// ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
-// during this one only when its token block is ready already.
-MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
+// task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
+MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, u32* ready_flag, TaskClock& clock) {
-  constexpr u32 kTiles = kHidden / kTileRows;
+                            u32 num_tasks, TaskClock& clock) {
   span_start(p, clock);
-  const TaskCoord at = task_coord<kTiles>(table, task);
-  const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
+  const TaskCoord at = task_coord<2 * kInter / kTileRows>(table, task);
+  const TaskOperands op = l1_operands(table, p, me, maps, at);
+  if constexpr (kNarrowTasks) {
+    if (op.rows.num_rows <= kNarrowTokens) {
+      l1_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
+      return;
+    }
+  }
+  l1_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
+}
+
+// One L2 task once its token block is ready: the K loop and epilogue over the first kN token
+// columns (kTileTokens, or kNarrowTokens when the block holds no more rows). `next_at`: the
+// next task (streamed into when `next_ready`) or none (block ~0u).
+template <u32 kN>
+MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop,
+                                    MainloopState<kInter>& st, const Params& p, const Regions& me, const TmaMaps& maps,
+                                    const TaskCoord& at, const TaskOperands& op, const TaskCoord& next_at,
+                                    bool next_ready, TaskClock& clock) {
+  constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
   const u32 ht = at.tile;
-  const TaskOperands op = l2_operands(table, p, me, maps, at);
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const bool next_ready =
-      wait_l1_block(p, me, at.block, next_at.block, ready_flag);
-  span_end(p, clock, kSpanL2Wait);
   WarpAcc acc;
-  if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks && next_ready) {  // only the smem mainloops stream on
+  if (MEGAMOE_SMEM_MAINLOOP && next_at.block != ~0u && next_ready) {  // only the smem mainloops stream on
     const TaskOperands next = l2_operands(table, p, me, maps, next_at);
-    task_gemm<kInter>(acc, mainloop, st, op, &next, p);
+    task_gemm<kInter, kN>(acc, mainloop, st, op, &next, p);
   } else {
-    task_gemm<kInter>(acc, mainloop, st, op, nullptr, p);
+    task_gemm<kInter, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL2Gemm);
   // Rounded to BF16 pairs first: half the registers stay live through the passes' stores.
-  u32 out[2][kTokenTiles][2];
+  u32 out[2][kNTiles][2];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (u32 nt = 0; nt < kTokenTiles; ++nt)
+    for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
   u16* tile = reinterpret_cast<u16*>(epilogue_tile(smem, mainloop, st));  // [pass tokens][256 channels] bf16
-  constexpr u32 kPassTiles = kL2PassTokens / 8;
+  constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
+  constexpr u32 kPassTiles = kPassTokens / 8;
 #pragma unroll
-  for (u32 pass = 0; pass < kTileTokens / kL2PassTokens; ++pass) {
-    const u32 pass_tok0 = pass * kL2PassTokens;
+  for (u32 pass = 0; pass < kN / kPassTokens; ++pass) {
+    const u32 pass_tok0 = pass * kPassTokens;
     if (pass_tok0 >= t.num_rows) break;  // uniform over the CTA
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -290,8 +304,8 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     __syncthreads();
     // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank;
     // lane i loads the (rank, token, slot) of the warp's i-th row up front, one load in flight per lane.
-    const u32 pass_rows = t.num_rows - pass_tok0 < kL2PassTokens ? t.num_rows - pass_tok0 : kL2PassTokens;
-    static_assert(kL2PassTokens <= 32 * kNumWarps, "one row per lane and warp");
+    const u32 pass_rows = t.num_rows - pass_tok0 < kPassTokens ? t.num_rows - pass_tok0 : kPassTokens;
+    static_assert(kPassTokens <= 32 * kNumWarps, "one row per lane and warp");
     int4 my_meta = make_int4(0, 0, 0, 0);
     if (warp + kNumWarps * lane < pass_rows)
       my_meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + pass_tok0 + warp + kNumWarps * lane);
@@ -310,6 +324,27 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   }
   span_end(p, clock, kSpanL2Epilogue);
   span_count(p, clock, kSpanL2Tasks);
+}
+
+// ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
+// during this one only when its token block is ready already.
+MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
+                            const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
+                            u32 num_tasks, u32* ready_flag, TaskClock& clock) {
+  constexpr u32 kTiles = kHidden / kTileRows;
+  span_start(p, clock);
+  const TaskCoord at = task_coord<kTiles>(table, task);
+  const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
+  const TaskOperands op = l2_operands(table, p, me, maps, at);
+  const bool next_ready = wait_l1_block(p, me, at.block, next_at.block, ready_flag);
+  span_end(p, clock, kSpanL2Wait);
+  if constexpr (kNarrowTasks) {
+    if (op.rows.num_rows <= kNarrowTokens) {
+      l2_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, next_ready, clock);
+      return;
+    }
+  }
+  l2_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, next_ready, clock);
 }
 
 }  // namespace megamoe::mega

@@ -282,17 +282,20 @@ struct Select { using type = A; };
 template <class A, class B>
 struct Select<false, A, B> { using type = B; };
 
-using ChunkMma = typename Select<kFP8, WgmmaFp8E4M3<kTileTokens>, WgmmaBf16<kTileTokens>>::type;
+template <u32 kN>
+using ChunkMmaN = typename Select<kFP8, WgmmaFp8E4M3<kN>, WgmmaBf16<kN>>::type;
 constexpr u32 kAccum = kTileTokens / 2;  // m64nN: N/2 accumulators per thread
 
-// Issues the 4 k-steps (32 bytes of K each) of one m64nN wgmma over a staged chunk; the caller
-// fences, commits and waits.
-MEGAMOE_DEVICE void wgmma_k_steps(u64 desc_a, u64 desc_b, float (&d)[kAccum], bool accumulate) {
+// Issues the 4 k-steps (32 bytes of K each) of one m64nN wgmma over a staged chunk (N = kN, the
+// first kN token rows of the stage: its accumulators are the first kN / 8 n8 tiles of a full
+// tile's); the caller fences, commits and waits.
+template <u32 kN = kTileTokens>
+MEGAMOE_DEVICE void wgmma_k_steps(u64 desc_a, u64 desc_b, float (&d)[kN / 2], bool accumulate) {
   constexpr u32 kDescStep = 32 / 16;  // descriptors count 16-byte units
   if constexpr (kAblate & kAblateMma) return;
 #pragma unroll
   for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
-    ChunkMma::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, d, accumulate || kk > 0);
+    ChunkMmaN<kN>::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, d, accumulate || kk > 0);
 }
 
 MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt) {
@@ -397,16 +400,19 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
 // [nt][i] of acc.v[mt][nt][i] is row g (i < 2) or g + 8 (this warp's two weight-scale rows), token
 // nt * 8 + 2 * t4 + i % 2. Read from shared memory before the wgmma wait, so their latency hides
 // behind the tensor cores (read after it they were a third of the kernel's stall samples).
+// kTiles: the n8 token tiles a K loop computes (all of them, or the first ones of a narrow task).
+template <u32 kTiles = kTokenTiles>
 struct PromoteScales {
-  float s[kTokenTiles][4];
+  float s[kTiles][4];
 };
 
-MEGAMOE_DEVICE void load_promote_scales(PromoteScales& s, const MainloopSmem& sm, u32 kb) {
+template <u32 kTiles>
+MEGAMOE_DEVICE void load_promote_scales(PromoteScales<kTiles>& s, const MainloopSmem& sm, u32 kb) {
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
   const float w_lo = lds_f32(&sm.w_scale[warp][0][kb]);
   const float w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
 #pragma unroll
-  for (u32 nt = 0; nt < kTokenTiles; ++nt) {
+  for (u32 nt = 0; nt < kTiles; ++nt) {
     const float2 tok = lds_f32x2(&sm.tok_scale[kb][tok_scale_col(kb, nt * 8 + 2 * t4)]);
     s.s[nt][0] = w_lo * tok.x;
     s.s[nt][1] = w_lo * tok.y;
@@ -418,13 +424,14 @@ MEGAMOE_DEVICE void load_promote_scales(PromoteScales& s, const MainloopSmem& sm
 // acc_mt += part_mt x (weight x token scale), one row group (acc.v[mt] / the same layout of an
 // m64nN partial). Every token column, those past the task's rows included: whatever those hold
 // (staging rows of other experts) stays in its own column, which no epilogue stores.
-MEGAMOE_DEVICE void promote_tile(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const PromoteScales& s) {
+template <u32 kTiles>
+MEGAMOE_DEVICE void promote_tile(float (&acc_mt)[kTokenTiles][4], const float* part_mt, const PromoteScales<kTiles>& s) {
   if constexpr (kAblate & kAblatePromotion) {  // one value read: ptxas drops a wgmma whose results all go unused
     acc_mt[0][0] += part_mt[0];
     return;
   }
 #pragma unroll
-  for (u32 nt = 0; nt < kTokenTiles; ++nt)
+  for (u32 nt = 0; nt < kTiles; ++nt)
 #pragma unroll
     for (u32 i = 0; i < 4; ++i) acc_mt[nt][i] = fmaf(part_mt[nt * 4 + i], s.s[nt][i], acc_mt[nt][i]);
 }
@@ -442,7 +449,7 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
   wgmma_commit_group();
   wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, part1, false);
   wgmma_commit_group();
-  PromoteScales scales;
+  PromoteScales<> scales;
   load_promote_scales(scales, sm, kb);
   fence_accumulators(part0);
   fence_accumulators(part1);
@@ -461,19 +468,28 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 // promotion: docs/kernel_notes.md v7).
 constexpr bool kPingPong = kFP8 && MEGAMOE_PINGPONG;
 constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3 && !kPingPong;
+// A task whose token block holds at most half a tile of rows (an expert's last, partly filled
+// block; every block at low tokens per expert) runs the lagged loop with m64n(kTileTokens / 2)
+// wgmmas and promotes only those columns: the K loop is bound by its compute chain (wgmma issue,
+// promotion), which halves, while the copies stay whole; its epilogue covers those columns only.
+// The choice is made per task, around K loop and epilogue together (expert_gemm.cuh): a branch
+// around the K loop alone left two allocations of acc live at the join, and the 64-token builds spilled.
+constexpr u32 kNarrowTokens = kTileTokens / 2;
+constexpr bool kNarrowTasks = kLagPromotion && kNarrowTokens >= 16;
 
 #if MEGAMOE_SMEM_MAINLOOP == 3
-// One m64 group of a staged chunk into `part` (overwritten), committed.
-MEGAMOE_DEVICE void issue_group(float (&part)[kAccum], const MainloopSmem& sm, u32 stage, u32 mt) {
+// One m64nN group (N = kN) of a staged chunk into `part` (overwritten), committed.
+template <u32 kN>
+MEGAMOE_DEVICE void issue_group(float (&part)[kN / 2], const MainloopSmem& sm, u32 stage, u32 mt) {
   fence_accumulators(part);
   wgmma_fence();  // part was read by the last promotion
-  wgmma_k_steps(stage_desc_a(sm, stage, mt), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
+  wgmma_k_steps<kN>(stage_desc_a(sm, stage, mt), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
   wgmma_commit_group();
 }
 
 // Waits until at most kPending groups are in flight, then promotes `part` (not among them).
-template <int kPending>
-MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)[kAccum], const PromoteScales& s) {
+template <int kPending, u32 kN>
+MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)[kN / 2], const PromoteScales<kN / 8>& s) {
   fence_accumulators(part);
   wgmma_wait_group<kPending>();
   fence_accumulators(part);
@@ -485,33 +501,36 @@ MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)
 // g1(c) -> part1, promote g0(c). The barrier comes after g1(c - 1) is waited for, so the loop
 // still streams S - 1 chunks ahead, and g0(c) keeps the tensor cores busy through it. Chunk 0 is
 // peeled off so that no branch inside the loop hides from ptxas which group a wait completes.
-template <u32 K>
+// kN: the token columns computed, kTileTokens or (narrow task) fewer; acc's other n8 tiles are
+// left alone (a narrow task's epilogue does not read them).
+template <u32 K, u32 kN>
 MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
                                             const TaskOperands& cur, const TaskOperands* next, const Params& p) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
-  float part0[kAccum], part1[kAccum];
-  PromoteScales scales;  // chunk c's, from its first group's promotion to its second's
+  float part0[kN / 2], part1[kN / 2];
+  PromoteScales<kN / 8> scales;  // chunk c's, from its first group's promotion to its second's
+  acc.zero_tiles<0, kN / 8>();
   u32 stage = st.seq % S;
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
-  issue_group(part0, sm, stage, 0);
+  issue_group<kN>(part0, sm, stage, 0);
   __syncthreads();  // also: the task's scale tables are stored
   load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
-  issue_group(part1, sm, stage, 1);
+  issue_group<kN>(part1, sm, stage, 1);
   load_promote_scales(scales, sm, 0);
-  promote_after<1>(acc.v[0], part0, scales);
+  promote_after<1, kN>(acc.v[0], part0, scales);
   for (u32 c = 1; c < kChunks; ++c) {
     stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
-    issue_group(part0, sm, stage, 0);
-    promote_after<1>(acc.v[1], part1, scales);  // g1(c - 1) while g0(c) runs
+    issue_group<kN>(part0, sm, stage, 0);
+    promote_after<1, kN>(acc.v[1], part1, scales);  // g1(c - 1) while g0(c) runs
     __syncthreads();  // every warpgroup is done with chunk c - 1's stage
     load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
-    issue_group(part1, sm, stage, 1);
+    issue_group<kN>(part1, sm, stage, 1);
     load_promote_scales(scales, sm, c);
-    promote_after<1>(acc.v[0], part0, scales);  // g0(c) while g1(c) runs
+    promote_after<1, kN>(acc.v[0], part0, scales);  // g0(c) while g1(c) runs
   }
-  promote_after<0>(acc.v[1], part1, scales);
+  promote_after<0, kN>(acc.v[1], part1, scales);
 }
 #endif
 
@@ -535,18 +554,18 @@ MEGAMOE_DEVICE void k_loop_pingpong(WarpAcc& acc, MainloopSmem& sm, const Mainlo
   constexpr u32 S = kMainloopStages;
   const u32 wg = threadIdx.x / 128;
   float part0[kAccum], part1[kAccum];
-  PromoteScales scales;
+  PromoteScales<> scales;
   if (wg == 1) named_barrier_arrive(kTurnBarrier, 256);  // warpgroup 0 issues first
   for (u32 c = 0; c < kChunks; ++c) {
     const u32 seq = st.seq + c, stage = seq % S;
     wait_stage(&sm.full[stage], stage, seq / S, p, st.phase);
     named_barrier_sync(kTurnBarrier + wg, 256);  // the other warpgroup's last chunk is issued
-    issue_group(part0, sm, stage, 0);
-    issue_group(part1, sm, stage, 1);
+    issue_group<kTileTokens>(part0, sm, stage, 0);
+    issue_group<kTileTokens>(part1, sm, stage, 1);
     if (wg == 0 || c + 1 < kChunks) named_barrier_arrive(kTurnBarrier + 1 - wg, 256);  // its turn
     load_promote_scales(scales, sm, c);
-    promote_after<1>(acc.v[0], part0, scales);
-    promote_after<0>(acc.v[1], part1, scales);
+    promote_after<1, kTileTokens>(acc.v[0], part0, scales);
+    promote_after<0, kTileTokens>(acc.v[1], part1, scales);
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbarrier_arrive(&sm.empty[stage]);  // this warp's wgmmas read the stage
     if (threadIdx.x == kPingPongProducer) {
@@ -572,7 +591,7 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
     WarpAcc part;
     part.zero();
     mma_chunk(part, sm, stage, ntiles);
-    PromoteScales scales;
+    PromoteScales<> scales;
     load_promote_scales(scales, sm, c);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) promote_tile(acc.v[mt], &part.v[mt][0][0], scales);
@@ -663,10 +682,12 @@ MEGAMOE_DEVICE void cta_gemm_pingpong(WarpAcc& acc, MainloopSmem& sm, MainloopSt
 // `next` (or nullptr): the CTA's next task of the same phase; its first kAhead chunks are issued
 // during this task's last iterations, so the weight stream never drains between tasks (the
 // epilogue runs while they are in flight).
-template <u32 K>
+// kN: the token columns computed (kTileTokens, or kNarrowTokens for a narrow task).
+template <u32 K, u32 kN = kTileTokens>
 MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
                              const TaskOperands* next, const Params& p) {
   static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
+  static_assert(kN == kTileTokens || kNarrowTasks, "only the lagged FP8 loop computes narrow tasks");
 #if MEGAMOE_PINGPONG
   if constexpr (kPingPong) {
     cta_gemm_pingpong<K>(acc, sm, st, cur, next, p);
@@ -681,7 +702,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   constexpr u32 kAhead = kDeferWgmmaWait ? S - 2 : S - 1;  // chunks in flight past the one computed
   if (kChunks < kAhead) next = nullptr;  // too short to stream on: every task fills its own stages
   const u32 ntiles = (cur.rows.num_rows + 7) / 8;
-  acc.zero();
+  if constexpr (!kLagPromotion) acc.zero();
   if (!st.prefetched) {
 #pragma unroll
     for (u32 s = 0; s < kAhead; ++s) {
@@ -691,7 +712,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   }
   if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next);  // visible to every thread after the first chunk's barrier
 #if MEGAMOE_SMEM_MAINLOOP == 3
-  if constexpr (kLagPromotion) k_loop_lagged_promotion<K>(acc, sm, st, cur, next, p);
+  if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p);  // zeroes acc itself
   else
 #endif
   for (u32 c = 0; c < kChunks; ++c) {

@@ -45,11 +45,13 @@ MEGAMOE_DEVICE void mma_k32_bytes(float (&c)[4], const u32 (&a)[4], const u32 (&
 // row mt*16 + g + (j >= 2 ? 8 : 0) and token nt*8 + 2*t4 + (j & 1), g = lane / 4, t4 = lane % 4.
 struct WarpAcc {
   float v[2][kTokenTiles][4];
-  MEGAMOE_DEVICE void zero() {
+  MEGAMOE_DEVICE void zero() { zero_tiles<0, kTokenTiles>(); }
+  template <u32 kFrom, u32 kTo>  // n8 tiles [kFrom, kTo)
+  MEGAMOE_DEVICE void zero_tiles() {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < static_cast<int>(kTokenTiles); ++j)
+      for (int j = kFrom; j < static_cast<int>(kTo); ++j)
 #pragma unroll
         for (int k = 0; k < 4; ++k) v[i][j][k] = 0.0f;
   }
