@@ -18,7 +18,6 @@
 #                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
 #   STEP=spans   one-GPU kernel tests, then task spans (phase clock) of the three shapes, V4-Flash-like
 #                ablations (tma / mma / both) and optionally another commit's sources
-#   STEP=pingpong the opt-in tma_pp mainloop: its kernel tests, then probes next to the default build
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
@@ -107,16 +106,6 @@ case "${STEP:-verify}" in
       --out "$OUT/probe_spans_base.json" 2>&1 | head -12
     timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8192 \
       --variants ${ABLATE_VARIANTS:-default ablate=tma ablate=mma ablate=tma+mma} --out "$OUT/probe_spans_ablate.json" 2>&1 | tail -12 ;;
-  pingpong) # ~6 min: the opt-in tma_pp mainloop (ping-pong warpgroups in the FP8 K loop, never run
-            # on a GPU before): its kernel tests, then per-phase times and task spans next to the
-            # default build, and both builds' math alone (ablate=tma_warm)
-    timeout 240 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py -k "pingpong" \
-      > "$OUT/kernel_tests_pingpong.log" 2>&1
-    tail -3 "$OUT/kernel_tests_pingpong.log"
-    timeout 200 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
-      --tokens ${TOKENS:-8 1024 8192} --variants default mainloop=tma_pp --out "$OUT/probe_pingpong.json" 2>&1 | tail -30
-    timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8192 --variants default \
-      ablate=tma_warm mainloop=tma_pp mainloop=tma_pp,ablate=tma_warm --out "$OUT/probe_pingpong_ablate.json" 2>&1 | tail -10 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)

@@ -87,11 +87,6 @@ MEGAMOE_DEVICE void named_barrier_sync(u32 id, u32 num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
-// Counts this warp's threads toward barrier `id` without waiting (the others bar.sync on it).
-MEGAMOE_DEVICE void named_barrier_arrive(u32 id, u32 num_threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
 // ---------------------------------------------------------------- register reallocation
 template <u32 kRegs>
 MEGAMOE_DEVICE void setmaxnreg_dec() {

@@ -47,9 +47,8 @@ def describe(values: list[int]) -> Optional[str]:
                 "tiles after the timeout; were all CTAs resident? Lower VLLM_MEGAMOE_NUM_SMS if other "
                 "kernels occupy SMs.")
     if kind == KIND_STAGE_TIMEOUT:
-        what = "was not released by every warp" if c == 1 else "never landed"
-        return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: TMA stage {a} (use {b}) {what}; "
-                "a stage that does not complete is a kernel bug: please report it with this line, and run "
+        return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: TMA stage {a} (use {b}) never landed; "
+                "a copy that does not complete is a kernel bug: please report it with this line, and run "
                 "with VLLM_MEGAMOE_SM90_MAINLOOP=wgmma meanwhile.")
     if kind == KIND_STAGING_FULL:
         return (f"megamoe: rank {rank} received {a} rows but staging holds {b}; build the SymmBuffer "

@@ -32,16 +32,13 @@ MAX_LOCAL_EXPERTS = 512
 #   "tma_wg": the TMA stages without a CTA barrier per K chunk: each warpgroup releases a stage
 #     after its wgmmas, the last release issues the next copy into it (correct; 1-4 % slower than
 #     "tma" on 2 x H200, kept as an opt-in);
-#   "tma_pp": "tma" whose FP8 K loop ping-pongs the two warpgroups on the tensor cores (one
-#     promotes while the other's wgmmas run; stages released per warp): compiles without spills,
-#     NOT yet run on a GPU, opt-in only (BF16 builds run the "tma" loop);
 #   "wgmma": cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
 #     (H200, V4-Flash-like EP2: 1.2x the smem build at 8 tokens per rank, 2x at 1024-8192);
 #   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
 #   "ldg": fragments loaded straight from global memory (the first version).
 # Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
 logger = logging.getLogger(__name__)
-MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3, "tma_wg": 4, "tma_pp": 3}  # tma_pp: tma + MEGAMOE_PINGPONG
+MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3, "tma_wg": 4}
 
 
 class _Params(ctypes.Structure):
@@ -118,10 +115,6 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(fmt == "fp8-block"), MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[choice.mainloop],
                    MEGAMOE_TILE_TOKENS=choice.tile)
-    if choice.mainloop == "tma_pp":
-        logger.warning("SM90 mainloop tma_pp (ping-pong warpgroups) is experimental: it has not yet been validated "
-                       "on a GPU; the tma mainloop is the tested default")
-        defines.update(MEGAMOE_PINGPONG=1)
     if choice.mainloop != "ldg":
         smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
         static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile, choice.mainloop)

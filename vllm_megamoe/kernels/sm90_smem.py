@@ -8,11 +8,11 @@ from ..shape import MoEShape
 
 TILE_ROWS = 256                 # weight rows per GEMM task
 SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
-WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg", "tma_pp")
-TMA_MAINLOOPS = ("tma", "tma_wg", "tma_pp")
+WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")
+TMA_MAINLOOPS = ("tma", "tma_wg")
 # Builds whose epilogue tile lives in the stage of a task's last K chunk (expert_gemm.cuh
 # MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
-EPILOGUE_IN_STAGE_MAINLOOPS = ("tma", "tma_pp")
+EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)
 
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg") -> int:
@@ -38,8 +38,6 @@ def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", til
         struct += 8 * stages  # one mbarrier per stage
     if variant == "tma_wg":
         struct += 4 * stages  # one release counter per stage
-    if variant == "tma_pp":
-        struct += 8 * stages  # one "every warp released it" mbarrier per stage
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
     return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 

@@ -14,8 +14,6 @@
 //     token rows past the task's end are whatever follows in staging (their columns are never
 //     stored), rows past the staging region are zero-filled. FP8 promotes with a lag of one
 //     wgmma group (k_loop_lagged_promotion).
-//     With MEGAMOE_PINGPONG=1 (tma_pp) the FP8 K loop ping-pongs the two warpgroups instead
-//     (k_loop_pingpong): experimental, not yet run on a GPU.
 //   MEGAMOE_SMEM_MAINLOOP=4 (tma_wg): the TMA stages without the CTA barrier per K chunk: each
 //     warpgroup releases a stage when its wgmmas on it are done, and the second release of a
 //     stage issues the chunk that goes into it next, so the two warpgroups drift apart and one's
@@ -30,10 +28,6 @@
 #ifndef MEGAMOE_MAINLOOP_STAGES
 #define MEGAMOE_MAINLOOP_STAGES 4
 #endif
-#ifndef MEGAMOE_PINGPONG
-#define MEGAMOE_PINGPONG 0
-#endif
-static_assert(!MEGAMOE_PINGPONG || MEGAMOE_SMEM_MAINLOOP == 3, "the ping-pong K loop is a variant of the tma mainloop");
 
 namespace megamoe::mega {
 
@@ -57,9 +51,6 @@ struct MainloopSmem {
 #endif
 #if MEGAMOE_SMEM_MAINLOOP == 4
   u32 released[kMainloopStages];              // tma_wg: warpgroup releases of each stage, ever
-#endif
-#if MEGAMOE_PINGPONG
-  u64 empty[kMainloopStages];                 // tma_pp: every warp is done with the stage (kNumWarps arrivals)
 #endif
 };
 static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
@@ -91,9 +82,6 @@ MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
 #if MEGAMOE_ABLATE & 32
     ablate_copies_issued = 0;
-#endif
-#if MEGAMOE_PINGPONG
-    for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.empty[s], kNumWarps);
 #endif
 #if MEGAMOE_SMEM_MAINLOOP == 4
     for (u32 s = 0; s < kMainloopStages; ++s) sm.released[s] = 0;
@@ -161,17 +149,15 @@ struct MainloopState {
 };
 
 #if MEGAMOE_SMEM_MAINLOOP >= 3
-// Waits for use `use` of a stage's barrier with the call's deadline; a stage whose copy never
-// lands (kStageLanded) or that is never released (kStageReleased, tma_pp) is reported (rank,
+// Waits for a TMA stage with the call's deadline; a copy that never lands is reported (rank,
 // phase, stage, use) through the error record and traps instead of hanging.
-constexpr int kStageLanded = 0, kStageReleased = 1;
-MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase, int what = kStageLanded) {
+MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase) {
   if (mbarrier_try_wait(bar, use & 1)) return;
   const Deadline deadline{global_timer_ns(), p.timeout_ns};
   while (!mbarrier_try_wait(bar, use & 1)) {
     if (deadline.expired())
       report_and_trap(p.error_record, kErrorStageTimeout, p.rank, phase, static_cast<int>(stage),
-                      static_cast<int>(use), what);
+                      static_cast<int>(use), 0);
   }
 }
 #endif
@@ -466,8 +452,7 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 // promoted, the CTA barrier waited at and the next group issued (1.03-1.15x on the K loop over
 // promoting both groups inside their chunk; one queued m64n64 group is still too short to hide a
 // promotion: docs/kernel_notes.md v7).
-constexpr bool kPingPong = kFP8 && MEGAMOE_PINGPONG;
-constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3 && !kPingPong;
+constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
 // A task whose token block holds at most half a tile of rows (an expert's last, partly filled
 // block; every block at low tokens per expert) runs the lagged loop with m64n(kTileTokens / 2)
 // wgmmas and promotes only those columns: the K loop is bound by its compute chain (wgmma issue,
@@ -531,52 +516,6 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     promote_after<1, kN>(acc.v[0], part0, scales);  // g0(c) while g1(c) runs
   }
   promote_after<0, kN>(acc.v[1], part1, scales);
-}
-#endif
-
-#if MEGAMOE_PINGPONG
-// tma_pp: the two warpgroups take turns on the tensor cores, FlashAttention-3 style. A warpgroup
-// issues its chunk (both m64 groups) only after the other one issued its own (a pair of named
-// barriers), then waits for and promotes its partials while the other's wgmmas run: the FP8
-// promotion, which the lagged loop could not hide behind one queued m64n64 group, overlaps a
-// whole chunk of the other warpgroup's tensor work. No CTA barrier per chunk (it would put the
-// warpgroups back in lockstep): each warp releases a stage on its `empty` mbarrier, and the
-// producer (thread kPingPongProducer, warpgroup 1's first) refills it once all have, S chunks
-// ahead; the next task's first S - 1 chunks stream in during this task's last ones (the last
-// chunk's stage stays untouched: the epilogue tile lives there).
-constexpr u32 kTurnBarrier = 3;          // named barriers kTurnBarrier + warpgroup (0 is __syncthreads)
-constexpr u32 kPingPongProducer = 128;   // issues every TMA copy of the K loops
-
-template <u32 K>
-MEGAMOE_DEVICE void k_loop_pingpong(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
-                                    const TaskOperands& cur, const TaskOperands* next, const Params& p) {
-  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
-  constexpr u32 S = kMainloopStages;
-  const u32 wg = threadIdx.x / 128;
-  float part0[kAccum], part1[kAccum];
-  PromoteScales<> scales;
-  if (wg == 1) named_barrier_arrive(kTurnBarrier, 256);  // warpgroup 0 issues first
-  for (u32 c = 0; c < kChunks; ++c) {
-    const u32 seq = st.seq + c, stage = seq % S;
-    wait_stage(&sm.full[stage], stage, seq / S, p, st.phase);
-    named_barrier_sync(kTurnBarrier + wg, 256);  // the other warpgroup's last chunk is issued
-    issue_group<kTileTokens>(part0, sm, stage, 0);
-    issue_group<kTileTokens>(part1, sm, stage, 1);
-    if (wg == 0 || c + 1 < kChunks) named_barrier_arrive(kTurnBarrier + 1 - wg, 256);  // its turn
-    load_promote_scales(scales, sm, c);
-    promote_after<1, kTileTokens>(acc.v[0], part0, scales);
-    promote_after<0, kTileTokens>(acc.v[1], part1, scales);
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(&sm.empty[stage]);  // this warp's wgmmas read the stage
-    if (threadIdx.x == kPingPongProducer) {
-      const u32 ahead = c + S;  // into this stage, once every warp released it
-      const bool mine = ahead < kChunks, streams = !mine && next != nullptr && ahead - kChunks < S - 1;
-      if (mine || streams) {
-        wait_stage(&sm.empty[stage], stage, seq / S, p, st.phase, kStageReleased);
-        issue_chunk_tma(sm, stage, mine ? ahead : ahead - kChunks, mine ? cur : *next);
-      }
-    }
-  }
 }
 #endif
 
@@ -654,30 +593,6 @@ MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, co
   if (st.scales_prefetched) load_task_scale_regs<KB>(st.next_scales, *next);  // in flight through the K loop
 }
 
-#if MEGAMOE_PINGPONG
-// tma_pp's whole task: the producer issues what the previous task did not stream in (all of the
-// first S chunks, or the S-th), the scale tables are stored, then the ping-pong K loop.
-template <u32 K>
-MEGAMOE_DEVICE void cta_gemm_pingpong(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
-                                      const TaskOperands* next, const Params& p) {
-  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
-  constexpr u32 S = kMainloopStages;
-  if (kChunks < S) next = nullptr;  // too short to stream on: every task fills its own stages
-  acc.zero();
-  if (threadIdx.x == kPingPongProducer) {
-    // Rows other CTAs stored were acquired by thread 0 before a CTA barrier; this thread's copies read them.
-    fence_proxy_async_global();
-    for (u32 c = st.prefetched ? S - 1 : 0; c < S && c < kChunks; ++c) issue_chunk_tma(sm, (st.seq + c) % S, c, cur);
-  }
-  stage_task_scales<K>(sm, st, cur, next);
-  __syncthreads();  // the scale tables, before the first promotion
-  k_loop_pingpong<K>(acc, sm, st, cur, next, p);
-  st.seq += kChunks;
-  st.prefetched = next != nullptr;
-  __syncthreads();  // every warp is done with this task's stages and scale tables
-}
-#endif
-
 // The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
 // `next` (or nullptr): the CTA's next task of the same phase; its first kAhead chunks are issued
 // during this task's last iterations, so the weight stream never drains between tasks (the
@@ -688,12 +603,6 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
                              const TaskOperands* next, const Params& p) {
   static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
   static_assert(kN == kTileTokens || kNarrowTasks, "only the lagged FP8 loop computes narrow tasks");
-#if MEGAMOE_PINGPONG
-  if constexpr (kPingPong) {
-    cta_gemm_pingpong<K>(acc, sm, st, cur, next, p);
-    return;
-  }
-#endif
 #if MEGAMOE_SMEM_MAINLOOP == 4
   cta_gemm_warpgroup_release<K>(acc, sm, st, cur, next, p);
 #else
