@@ -30,11 +30,11 @@ export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 T="-q -rs -p no:cacheprovider --tb=short"
 case "${STEP:-verify}" in
-  verify)   # ~8 min: every kernel test of the default build, then memcheck and racecheck
-    timeout 290 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
+  verify)   # ~9 min: every kernel test of the default build, then memcheck and racecheck
+    timeout 370 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -4 "$OUT/kernel_tests.log"
     for tool in memcheck racecheck; do
-      timeout 110 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
+      timeout 140 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
         python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
       tail -4 "$OUT/$tool.log"
     done
