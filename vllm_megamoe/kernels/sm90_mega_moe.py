@@ -85,14 +85,17 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     return cache[(shape, choice, ablate)]
 
 
-# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm ('+'-joined) builds a
+# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows
+# ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
 # staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
 # math runs on stale stages; tma_warm: only each CTA's first S chunks are copied, later chunks
-# compute on those real bytes; MEGAMOE_ABLATE,
+# compute on those real bytes; narrow: every task of an FP8 64-token build computes only its first
+# 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
-ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32}
+ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
+             "half_rows": 128}
 
 
 def ablation_from_env() -> int:

@@ -96,6 +96,8 @@ constexpr u32 kAblateTokenRows = 4;  // TMA token boxes always read staging rows
 constexpr u32 kAblateWeightRows = 8; // TMA weight boxes always read expert 0's rows (hot in L2)
 constexpr u32 kAblateTma = 16;       // no TMA copies: stages complete at once and hold stale bytes (math alone)
 constexpr u32 kAblateTmaWarm = 32;   // only the CTA's first S chunks are copied; later chunks reuse those bytes
+constexpr u32 kAblateNarrow = 64;    // FP8 64-token tiles: every task runs the narrow path (its first 32 token columns)
+constexpr u32 kAblateHalfRows = 128; // FP8: each warpgroup's second m64 wgmma group is never issued (empty commit)
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

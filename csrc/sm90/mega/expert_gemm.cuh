@@ -247,7 +247,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   const TaskCoord at = task_coord<2 * kInter / kTileRows>(table, task);
   const TaskOperands op = l1_operands(table, p, me, maps, at);
   if constexpr (kNarrowTasks) {
-    if (op.rows.num_rows <= kNarrowTokens) {
+    if (op.rows.num_rows <= kNarrowTokens || (kAblate & kAblateNarrow)) {
       l1_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
       return;
     }
@@ -257,18 +257,18 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 
 // One L2 task once its token block is ready: the K loop and epilogue over the first kN token
 // columns (kTileTokens, or kNarrowTokens when the block holds no more rows). `next_at`: the
-// next task (streamed into when `next_ready`) or none (block ~0u).
+// next task, streamed into when `stream_next` (there is one and its token block is ready).
 template <u32 kN>
 MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop,
                                     MainloopState<kInter>& st, const Params& p, const Regions& me, const TmaMaps& maps,
                                     const TaskCoord& at, const TaskOperands& op, const TaskCoord& next_at,
-                                    bool next_ready, TaskClock& clock) {
+                                    bool stream_next, TaskClock& clock) {
   constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
   const u32 ht = at.tile;
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   WarpAcc acc;
-  if (MEGAMOE_SMEM_MAINLOOP && next_at.block != ~0u && next_ready) {  // only the smem mainloops stream on
+  if (MEGAMOE_SMEM_MAINLOOP && stream_next) {  // only the smem mainloops stream on
     const TaskOperands next = l2_operands(table, p, me, maps, next_at);
     task_gemm<kInter, kN>(acc, mainloop, st, op, &next, p);
   } else {
@@ -338,13 +338,14 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   const TaskOperands op = l2_operands(table, p, me, maps, at);
   const bool next_ready = wait_l1_block(p, me, at.block, next_at.block, ready_flag);
   span_end(p, clock, kSpanL2Wait);
+  const bool stream_next = next_task < num_tasks && next_ready;
   if constexpr (kNarrowTasks) {
-    if (op.rows.num_rows <= kNarrowTokens) {
-      l2_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, next_ready, clock);
+    if (op.rows.num_rows <= kNarrowTokens || (kAblate & kAblateNarrow)) {
+      l2_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, stream_next, clock);
       return;
     }
   }
-  l2_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, next_ready, clock);
+  l2_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, stream_next, clock);
 }
 
 }  // namespace megamoe::mega

@@ -459,8 +459,10 @@ constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopSt
 // promotion), which halves, while the copies stay whole; its epilogue covers those columns only.
 // The choice is made per task, around K loop and epilogue together (expert_gemm.cuh): a branch
 // around the K loop alone left two allocations of acc live at the join, and the 64-token builds spilled.
+// Only the 64-token builds: in the 32-token ones (n16 narrow tasks, decode) the L1 / L2 phases
+// measured 1-6 % slower with it at 8 tokens per rank (benchmarks/results/decode_ab/).
 constexpr u32 kNarrowTokens = kTileTokens / 2;
-constexpr bool kNarrowTasks = kLagPromotion && kNarrowTokens >= 16;
+constexpr bool kNarrowTasks = kLagPromotion && kNarrowTokens >= 32;
 
 #if MEGAMOE_SMEM_MAINLOOP == 3
 // One m64nN group (N = kN) of a staged chunk into `part` (overwritten), committed.
@@ -468,7 +470,8 @@ template <u32 kN>
 MEGAMOE_DEVICE void issue_group(float (&part)[kN / 2], const MainloopSmem& sm, u32 stage, u32 mt) {
   fence_accumulators(part);
   wgmma_fence();  // part was read by the last promotion
-  wgmma_k_steps<kN>(stage_desc_a(sm, stage, mt), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
+  if (!((kAblate & kAblateHalfRows) && mt == 1))
+    wgmma_k_steps<kN>(stage_desc_a(sm, stage, mt), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
   wgmma_commit_group();
 }
 
