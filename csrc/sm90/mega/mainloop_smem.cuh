@@ -455,8 +455,9 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
 // A task whose token block holds at most half a tile of rows (an expert's last, partly filled
 // block; every block at low tokens per expert) runs the lagged loop with m64n(kTileTokens / 2)
-// wgmmas and promotes only those columns: the K loop is bound by its compute chain (wgmma issue,
-// promotion), which halves, while the copies stay whole; its epilogue covers those columns only.
+// wgmmas and promotes only those columns (half the wgmma and promotion work; the loop's fixed
+// per-chunk chain stays, so it takes ~0.64x the time: docs/kernel_notes.md v8); its epilogue
+// covers those columns only.
 // The choice is made per task, around K loop and epilogue together (expert_gemm.cuh): a branch
 // around the K loop alone left two allocations of acc live at the join, and the 64-token builds spilled.
 // Only the 64-token builds: in the 32-token ones (n16 narrow tasks, decode) the L1 / L2 phases
