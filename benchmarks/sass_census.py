@@ -1,0 +1,225 @@
+"""What the fused SM90 kernel's builds compile to, without a GPU: SASS instruction classes per
+wgmma loop (the K loops), registers and spills, and whether two source trees give the same SASS.
+
+    python -m benchmarks.sass_census                       # V4-Flash-like FP8, 32- and 64-token tma builds
+    python -m benchmarks.sass_census --builds v4-flash:fp8-block:64 deepseek-v3:bf16:128:tma
+    python -m benchmarks.sass_census --base-csrc /tmp/base/csrc   # same SASS as another commit's csrc/?
+
+A build is SHAPE:FORMAT:TILE[:MAINLOOP] (shape: a standard name or HIDDENxINTERxEXPERTSxTOPK; EP2,
+4096 tokens of buffer). A loop is a backward branch whose body holds a wgmma (QGMMA / HGMMA);
+nested ones (a stage wait's timeout loop, a TMA issue loop) are counted inside the loops that
+hold them and listed on their own. Use it to see what a kernel change did to the instruction
+stream before spending device time on it, and to check that a refactoring left a GPU-verified
+build's SASS unchanged (compared instruction by instruction, addresses and labels ignored).
+Needs NVRTC (cuda-python) and nvdisasm (the CUDA toolkit's, or `pip install nvidia-cuda-nvdisasm`).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import difflib
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+DEFAULT_BUILDS = ["v4-flash:fp8-block:32", "v4-flash:fp8-block:64"]
+WGMMA_OPCODES = ("QGMMA", "HGMMA")
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:(@!?U?P\w+)\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+@dataclass
+class Instruction:
+    opcode: str   # with modifiers, e.g. QGMMA.64x64x32.F32.E4M3.E4M3
+    text: str     # predicate, opcode and operands, whitespace normalised
+    label: str | None = None  # the label right before it, if any
+
+    @property
+    def base(self) -> str:  # the opcode without modifiers, e.g. QGMMA
+        return self.opcode.split(".")[0]
+
+
+@dataclass
+class Loop:
+    start: int  # index of the first instruction (the one after the label)
+    end: int    # index of the backward branch
+    label: str
+
+    def body(self, instructions: list[Instruction]) -> list[Instruction]:
+        return instructions[self.start:self.end + 1]
+
+
+def find_nvdisasm() -> str:
+    candidates = [shutil.which("nvdisasm"),
+                  os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")]
+    for site in sys.path:  # the nvidia-cuda-nvdisasm wheel
+        candidates += glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "nvdisasm"))
+        candidates += glob.glob(os.path.join(site, "nvidia", "cuda_nvdisasm", "bin", "nvdisasm"))
+    for candidate in candidates:
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise SystemExit("nvdisasm not found: put the CUDA toolkit's bin on PATH, set CUDA_HOME, or "
+                     "pip install nvidia-cuda-nvdisasm")
+
+
+def parse(disassembly: str) -> list[Instruction]:
+    """nvdisasm text -> instructions in order (labels attached to the instruction after them)."""
+    out, pending = [], None
+    for line in disassembly.splitlines():
+        m = _LABEL.match(line.strip())
+        if m:
+            pending = m.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if m:
+            predicate, opcode, operands = m.groups()
+            text = " ".join(((predicate or "") + " " + opcode + operands).split())
+            out.append(Instruction(opcode, text, pending))
+            pending = None
+    return out
+
+
+def loops(instructions: list[Instruction]) -> list[Loop]:
+    """Every backward branch to a label: the loop from that label to the branch, outermost first."""
+    where = {ins.label: i for i, ins in enumerate(instructions) if ins.label}
+    found = []
+    for i, ins in enumerate(instructions):
+        if ins.base != "BRA":
+            continue
+        m = _BRANCH_TARGET.search(ins.text)
+        if m and m.group(1) in where and where[m.group(1)] <= i:
+            found.append(Loop(where[m.group(1)], i, m.group(1)))
+    return sorted(found, key=lambda lp: (lp.start, -lp.end))
+
+
+def wgmma_loops(instructions: list[Instruction]) -> list[Loop]:
+    return [lp for lp in loops(instructions)
+            if any(ins.base in WGMMA_OPCODES for ins in lp.body(instructions))]
+
+
+def census(instructions: list[Instruction]) -> collections.Counter:
+    return collections.Counter(ins.base for ins in instructions)
+
+
+def same_sass(a: list[Instruction], b: list[Instruction]) -> tuple[bool, int]:
+    """Whether two instruction streams are the same (labels and addresses ignored); the index of
+    the first difference otherwise (or the shorter length)."""
+    ta, tb = [_strip_labels(x.text) for x in a], [_strip_labels(x.text) for x in b]
+    if ta == tb:
+        return True, -1
+    first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+    return False, first
+
+
+def _strip_labels(text: str) -> str:
+    return _BRANCH_TARGET.sub("(label)", text)
+
+
+# ----------------------------------------------------------------------------- building
+def parse_build(spec: str) -> tuple[str, str, int, str]:
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"build {spec!r}: expected SHAPE:FORMAT:TILE[:MAINLOOP]")
+    shape, fmt, tile = parts[0], parts[1], int(parts[2])
+    return shape, fmt, tile, parts[3] if len(parts) == 4 else "tma"
+
+
+def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
+    """The cubin and ptxas log of a build (NVRTC, no cache), from csrc_dir if given."""
+    from benchmarks.kernel_probe import probe_shape
+    from vllm_megamoe import BufferLayout
+    from vllm_megamoe.kernels import jit, sm90_mega_moe
+
+    shape_name, fmt, tile, mainloop = parse_build(spec)
+    shape = probe_shape(shape_name)
+    env = {"VLLM_MEGAMOE_SM90_TOKEN_TILE": str(tile), "VLLM_MEGAMOE_SM90_MAINLOOP": mainloop}
+    if csrc_dir:
+        env["VLLM_MEGAMOE_CSRC_DIR"] = csrc_dir
+    saved = {k: os.environ.get(k) for k in (*env, "VLLM_MEGAMOE_CSRC_DIR")}
+    os.environ.update(env)
+    if not csrc_dir:
+        os.environ.pop("VLLM_MEGAMOE_CSRC_DIR", None)
+    try:
+        class _Buffer:  # what kernel_spec reads of a SymmBuffer
+            layout = BufferLayout(shape, 2, 4096, fmt)
+
+        compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buffer()), "nvrtc", use_cache=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return compiled.cubin, compiled.log
+
+
+def disassemble(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([find_nvdisasm(), "-c", f.name], check=True, capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(log: str) -> str:
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return f"{regs[0] if regs else '?'} registers, {spills[0] if spills else '?'} bytes spilled"
+
+
+# ----------------------------------------------------------------------------- report
+def describe(spec: str, instructions: list[Instruction], log: str, top: int) -> list[str]:
+    lines = [f"== {spec}: {len(instructions)} instructions, {resources(log)}"]
+    found = wgmma_loops(instructions)
+    for lp in found:
+        body = lp.body(instructions)
+        counts = census(body)
+        wgmma = {op: n for op, n in counts.items() if op in WGMMA_OPCODES}
+        inner = sum(1 for o in found if o is not lp and lp.start <= o.start and o.end <= lp.end)
+        kind = f"holds {inner} wgmma loops" if inner else "K loop"
+        lines.append(f"   {kind} at {lp.label} (instructions {lp.start}-{lp.end}): {len(body)} instructions, "
+                     + ", ".join(f"{n} {op}" for op, n in wgmma.items()))
+        lines.append("      " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, help="SHAPE:FORMAT:TILE[:MAINLOOP]")
+    ap.add_argument("--base-csrc", help="another tree's csrc/ (e.g. from git archive): compare SASS per build")
+    ap.add_argument("--top", type=int, default=14, help="instruction classes listed per loop")
+    args = ap.parse_args(argv)
+    differ = 0
+    for spec in args.builds:
+        cubin, log = compile_build(spec)
+        mine = parse(disassemble(cubin))
+        print("\n".join(describe(spec, mine, log, args.top)))
+        if args.base_csrc:
+            base_cubin, base_log = compile_build(spec, args.base_csrc)
+            base = parse(disassemble(base_cubin))
+            same, first = same_sass(base, mine)
+            if same:
+                print(f"   same SASS as {args.base_csrc}")
+            else:
+                differ += 1
+                changed = sum(1 for line in difflib.unified_diff([_strip_labels(x.text) for x in base],
+                                                                 [_strip_labels(x.text) for x in mine], n=0, lineterm="")
+                              if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+                print(f"   DIFFERS from {args.base_csrc} ({len(base)} vs {len(mine)} instructions, {changed} lines "
+                      f"of a diff, {resources(base_log)} there); first difference at instruction {first}:")
+                print(f"      base: {base[first].text if first < len(base) else '(end)'}")
+                print(f"      this: {mine[first].text if first < len(mine) else '(end)'}")
+                if [x.opcode for x in base] == [x.opcode for x in mine]:
+                    print("   (the same opcodes in the same order: registers / operands differ only)")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
