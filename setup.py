@@ -45,8 +45,9 @@ setup(
         # GPU kernels: NVRTC + driver API through cuda-python (imported lazily).
         "cuda": ["cuda-bindings>=13.0,<14", "nvidia-cuda-nvrtc>=13.0,<14"],
         "vllm": ["vllm>=0.32"],
-        "bench": ["matplotlib>=3.7"],
-        "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7"],
+        # nvdisasm: benchmarks.sass_census (and ncu_regions) read the kernels' SASS.
+        "bench": ["matplotlib>=3.7", "nvidia-cuda-nvdisasm>=13.2,<14"],
+        "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "nvidia-cuda-nvdisasm>=13.2,<14"],
     },
     entry_points={
         "console_scripts": ["vllm-megamoe=vllm_megamoe.cli:main"],

@@ -18,9 +18,10 @@ import collections
 import csv
 import os
 import re
-import shutil
 import subprocess
 import sys
+
+from benchmarks.sass_census import find_nvdisasm
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -32,13 +33,6 @@ def read_report(path: str) -> list[dict]:
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     head = rows[start]
     return [dict(zip(head, r)) for r in rows[start + 1:] if len(r) == len(head)]
-
-
-def find_nvdisasm() -> str:
-    for candidate in (shutil.which("nvdisasm"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    raise SystemExit("nvdisasm not found: put the CUDA toolkit's bin on PATH or set CUDA_HOME")
 
 
 def line_chains(disassembly: str) -> dict[int, tuple[list[tuple[str, int]], str]]:
