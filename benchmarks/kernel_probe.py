@@ -24,7 +24,7 @@ PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
-         # tma_warm; wrong outputs)
+         # tma_warm, narrow, half_rows; wrong outputs)
          "ablate": "VLLM_MEGAMOE_SM90_ABLATE"}
 
 
