@@ -15,6 +15,7 @@ rank needed from one phase mark to the next.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -41,6 +42,23 @@ def variant_env(variant: str) -> dict:
                              f"{sorted(KNOBS)}")
         env[KNOBS[key]] = value
     return env
+
+
+@contextlib.contextmanager
+def scoped_env(values: dict, unset: tuple = ()):
+    """os.environ with `values` set and `unset` removed for the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in (*values, *unset)}
+    os.environ.update(values)
+    for k in unset:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def probe_shape(spec: str):
@@ -79,9 +97,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
             baseline = None
             for variant in variants:
                 env = variant_env(variant)
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
+                with scoped_env(env):
                     out = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
                     if baseline is None:
                         baseline = out
@@ -95,12 +111,6 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
                     resolved = sm90_tuning.choose(shape, fmt, world, tokens).label()
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
                 rows.append(dict(shape=name, hidden=shape.hidden, intermediate=shape.intermediate,
                                  experts=shape.num_experts, topk=shape.topk, format=fmt, tokens_per_rank=tokens,
                                  variant=variant, rank=rank,

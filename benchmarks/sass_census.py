@@ -132,7 +132,7 @@ def parse_build(spec: str) -> tuple[str, str, int, str]:
 
 def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
     """The cubin and ptxas log of a build (NVRTC, no cache), from csrc_dir if given."""
-    from benchmarks.kernel_probe import probe_shape
+    from benchmarks.kernel_probe import probe_shape, scoped_env
     from vllm_megamoe import BufferLayout
     from vllm_megamoe.kernels import jit, sm90_mega_moe
 
@@ -141,21 +141,12 @@ def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
     env = {"VLLM_MEGAMOE_SM90_TOKEN_TILE": str(tile), "VLLM_MEGAMOE_SM90_MAINLOOP": mainloop}
     if csrc_dir:
         env["VLLM_MEGAMOE_CSRC_DIR"] = csrc_dir
-    saved = {k: os.environ.get(k) for k in (*env, "VLLM_MEGAMOE_CSRC_DIR")}
-    os.environ.update(env)
-    if not csrc_dir:
-        os.environ.pop("VLLM_MEGAMOE_CSRC_DIR", None)
-    try:
-        class _Buffer:  # what kernel_spec reads of a SymmBuffer
-            layout = BufferLayout(shape, 2, 4096, fmt)
 
+    class _Buffer:  # what kernel_spec reads of a SymmBuffer
+        layout = BufferLayout(shape, 2, 4096, fmt)
+
+    with scoped_env(env, unset=() if csrc_dir else ("VLLM_MEGAMOE_CSRC_DIR",)):
         compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buffer()), "nvrtc", use_cache=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return compiled.cubin, compiled.log
 
 

@@ -70,3 +70,22 @@ def test_versus_puts_the_probe_default_next_to_the_benchmark_paths(tmp_path):
     (row,) = [line for line in lines if line.startswith("| v4-flash")]
     # roofline 150, ours 200 (frac 0.75), sglang 300 [290] -> 1.50x, portable 500, chain 2000 -> 10x
     assert row == "| v4-flash | 8 | 150 | 200 | 0.75 | 300 [290] | 1.50 | 500 | 2000 | 10.00 |"
+
+
+def test_scoped_env_sets_unsets_and_restores(monkeypatch):
+    import os
+
+    from benchmarks.kernel_probe import scoped_env
+
+    monkeypatch.setenv("MEGAMOE_TEST_A", "before")
+    monkeypatch.setenv("MEGAMOE_TEST_GONE", "here")
+    monkeypatch.delenv("MEGAMOE_TEST_NEW", raising=False)
+    try:
+        with scoped_env({"MEGAMOE_TEST_A": "inside", "MEGAMOE_TEST_NEW": "1"}, unset=("MEGAMOE_TEST_GONE",)):
+            assert os.environ["MEGAMOE_TEST_A"] == "inside" and os.environ["MEGAMOE_TEST_NEW"] == "1"
+            assert "MEGAMOE_TEST_GONE" not in os.environ
+            raise RuntimeError("the block fails")
+    except RuntimeError:
+        pass
+    assert os.environ["MEGAMOE_TEST_A"] == "before" and os.environ["MEGAMOE_TEST_GONE"] == "here"
+    assert "MEGAMOE_TEST_NEW" not in os.environ
