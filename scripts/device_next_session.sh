@@ -18,6 +18,8 @@
 #                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
 #   STEP=spans   one-GPU kernel tests, then task spans (phase clock) of the three shapes, V4-Flash-like
 #                ablations (tma / mma / both) and optionally another commit's sources
+#   STEP=ab      kernel tests of this tree, then the same kernel_probe of this tree and of other csrc
+#                trees (BASES) side by side
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
@@ -106,6 +108,19 @@ case "${STEP:-verify}" in
       --out "$OUT/probe_spans_base.json" 2>&1 | head -12
     timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8192 \
       --variants ${ABLATE_VARIANTS:-default ablate=tma ablate=mma ablate=tma+mma} --out "$OUT/probe_spans_ablate.json" 2>&1 | tail -12 ;;
+  ab)       # ~8 min: kernel tests (TESTS, default: the FP8 ones) of this tree, then the same probe of this
+            # tree and of every csrc tree in BASES (directories holding a csrc/, e.g. .probe_base: carry
+            # them), same shapes, tokens and variants, one JSON each
+    timeout ${TEST_TIMEOUT:-230} python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \
+      -k "${TESTS:-fp8 or token_tile or back_to_back}" > "$OUT/kernel_tests_ab.log" 2>&1
+    tail -2 "$OUT/kernel_tests_ab.log"
+    timeout ${PROBE_TIMEOUT:-150} python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3} \
+      --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default} --out "$OUT/probe_new.json" 2>&1 | tail -16
+    for b in ${BASES:-}; do
+      VLLM_MEGAMOE_CSRC_DIR="$b/csrc" timeout ${PROBE_TIMEOUT:-150} python3 -m benchmarks.kernel_probe --gpus 2 \
+        --shapes ${SHAPES:-v4-flash deepseek-v3} --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default} \
+        --out "$OUT/probe_$(basename "$b").json" 2>&1 | tail -16
+    done ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)
@@ -144,5 +159,5 @@ case "${STEP:-verify}" in
     cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
     python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
     head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, ab, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac
