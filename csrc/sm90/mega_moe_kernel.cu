@@ -65,11 +65,12 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
   mark_phase(p, kMarkL2Start);
 
-  __shared__ u32 l2_ready_flag;
+  __shared__ u32 l2_ready_flags[2];
+  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u};
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
-    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, &l2_ready_flag, clock);
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock);
   });
   loop_end(p, clock, kSpanL2Loop);
   mark_phase(p, kMarkL2Done);

@@ -24,13 +24,24 @@ MEGAMOE_DEVICE bool l1_block_ready(const Regions& me, u32 block) {
   return ld_acquire_gpu(me.l1_block_done() + block) >= kL1Tiles;
 }
 
+// What a CTA knows between its L2 tasks' block checks: `known_ready` (thread 0: a block it has
+// acquired as ready already, ~0u: none) and two shared flags used in turn, so that the flag of
+// one task is never rewritten while a thread may still read it (no second barrier per task).
+struct BlockReadyState {
+  u32* flags;  // two shared words
+  u32 turn;
+  u32 known_ready;
+};
+
 // Before an L2 task of `block` reads staging_l2: wait (thread 0, with the call's deadline) until
 // its L1 tiles are done. Also tells the CTA whether `next_block` (or ~0u: none) is ready already,
 // the condition for streaming the next task's first stages in during this one (mainloop_smem.cuh).
+// A block found ready by the previous task's look at its next block is not loaded again: tasks
+// run one weight tile's token blocks in order, so the common case is one acquire per task.
 // Ends with a __syncthreads, after which every thread may read the block's rows.
-MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block, u32 next_block, u32* flag) {
+MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block, u32 next_block, BlockReadyState& rs) {
   if (threadIdx.x == 0) {
-    if (!l1_block_ready(me, block)) {
+    if (block != rs.known_ready && !l1_block_ready(me, block)) {
       const Deadline deadline{global_timer_ns(), p.timeout_ns};
       while (!l1_block_ready(me, block)) {
         if (deadline.expired())
@@ -38,14 +49,16 @@ MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block,
                           static_cast<int>(ld_acquire_gpu(me.l1_block_done() + block)), static_cast<int>(kL1Tiles));
       }
     }
-    *flag = next_block != ~0u && l1_block_ready(me, next_block);
+    const bool next_ready = next_block != ~0u && (next_block == block || l1_block_ready(me, next_block));
+    rs.known_ready = next_ready ? next_block : block;
+    rs.flags[rs.turn] = next_ready;
 #if MEGAMOE_SMEM_MAINLOOP >= 3
     fence_proxy_async_global();  // the block's staging_l2 rows were stored by other CTAs; TMA reads them
 #endif
   }
   __syncthreads();
-  const bool next_ready = *flag != 0;
-  __syncthreads();  // the flag is rewritten by the next task
+  const bool next_ready = rs.flags[rs.turn] != 0;
+  rs.turn ^= 1;  // the other flag next time: this one may still be read until that task's barrier
   return next_ready;
 }
 

@@ -326,17 +326,17 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   span_count(p, clock, kSpanL2Tasks);
 }
 
-// ready_flag: a shared word for wait_l1_block. The next task's first stages are streamed in
-// during this one only when its token block is ready already.
+// ready: the CTA's block-check state (wait_l1_block). The next task's first stages are streamed
+// in during this one only when its token block is ready already.
 MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, u32* ready_flag, TaskClock& clock) {
+                            u32 num_tasks, BlockReadyState& ready, TaskClock& clock) {
   constexpr u32 kTiles = kHidden / kTileRows;
   span_start(p, clock);
   const TaskCoord at = task_coord<kTiles>(table, task);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const TaskOperands op = l2_operands(table, p, me, maps, at);
-  const bool next_ready = wait_l1_block(p, me, at.block, next_at.block, ready_flag);
+  const bool next_ready = wait_l1_block(p, me, at.block, next_at.block, ready);
   span_end(p, clock, kSpanL2Wait);
   const bool stream_next = next_task < num_tasks && next_ready;
   if constexpr (kNarrowTasks) {
