@@ -7,10 +7,12 @@ For every shape, tokens per rank and variant (an environment override of the ker
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma|tma_wg`,
 `tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
-times only); several joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
+times only), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace); several joined by
+commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
-rank needed from one phase mark to the next.
+rank needed from one phase mark to the next, and for trace builds the SM cycles of each interval of
+a traced K chunk (phase_clock.chunk_trace).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
          # tma_warm, narrow, half_rows; wrong outputs)
-         "ablate": "VLLM_MEGAMOE_SM90_ABLATE"}
+         "ablate": "VLLM_MEGAMOE_SM90_ABLATE",
+         # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
+         "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE"}
 
 
 def variant_env(variant: str) -> dict:
@@ -106,7 +110,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     times = time_events(graph.replay, iters, 2, load)
                     del graph
                     load(0)
-                    clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf), dev)
+                    clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf), dev,
+                                                  trace=sm90_mega_moe.chunk_trace_from_env())
                     sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock)
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
@@ -118,7 +123,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                                  graph_us=median_us(times), rel_err_vs_first_variant=err,
                                  clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
                                  phases_us=phase_row(summary) if summary else {},
-                                 task_us=summary.get("task_us", {}) if summary else {}))
+                                 task_us=summary.get("task_us", {}) if summary else {},
+                                 chunk_trace=summary.get("chunk_trace", {}) if summary else {}))
         buf.destroy()
         del weights, buf
         torch.cuda.empty_cache()
@@ -142,6 +148,8 @@ def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
             for k, v in (r.get("task_us") or {}).items():  # task counts summed, times the slower rank's
                 m["task_us"][k] = (m["task_us"].get(k, 0.0) + v if k.endswith("_tasks") and m["ranks"] > 1
                                    else max(m["task_us"].get(k, 0.0), v))
+            if not m.get("chunk_trace"):  # the first rank that traced (SM cycles, not comparable to merge)
+                m["chunk_trace"] = r.get("chunk_trace") or {}
             m.pop("rank", None)
     return list(cases.values())
 
@@ -164,6 +172,15 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['shape'][:9]:>9} {r['tokens_per_rank']:>5} {r['variant'][-9:]:>9}: "
                          + "  ".join(f"{t.get(k, float('nan')):11.2f}" for k in keys)
                          + f"  {t.get('l1_tasks', 0):.0f}/{t.get('l2_tasks', 0):.0f}")
+    traced = [r for r in rows if r.get("chunk_trace")]
+    if traced:  # SM cycles per interval of a traced K chunk, warpgroup 0 / warpgroup 1 (phase_clock.chunk_trace)
+        from vllm_megamoe.kernels.phase_clock import TRACE_INTERVALS
+        lines += ["", "cycles per chunk, wg0/wg1: " + "  ".join(f"{k:>15}" for k in TRACE_INTERVALS) + "  total"]
+        for r in traced:
+            t = r["chunk_trace"]
+            lines.append(f"{r['shape'][:9]:>9} {r['tokens_per_rank']:>5} {r['variant'][-9:]:>9}: "
+                         + "  ".join(f"{t[k]['wg0']:7.0f}/{t[k]['wg1']:<7.0f}" for k in TRACE_INTERVALS)
+                         + f"  {t['chunk_cycles']:.0f}")
     return "\n".join(lines)
 
 

@@ -321,6 +321,98 @@ def test_phase_clock_task_spans():
     assert "task_us" not in phase_clock.summarize(torch.tensor([marks], dtype=torch.int64))
 
 
+def test_chunk_trace_constants_match_the_kernel():
+    """The chunk trace's window and layout are phase_clock.cuh's (and the kernel's warp count)."""
+    from vllm_megamoe.kernels import phase_clock
+
+    mega = jit.csrc_dir() / "sm90" / "mega"
+    src = (mega / "phase_clock.cuh").read_text()
+    consts = dict(re.findall(r"(kTrace\w+) = (\d+)", re.search(r"constexpr u32 kTraceTask[^;]*;", src).group(0)))
+    assert int(consts["kTraceTask"]) == phase_clock.TRACE_TASK
+    assert int(consts["kTraceFirstChunk"]) == phase_clock.TRACE_FIRST_CHUNK
+    assert int(consts["kTraceChunks"]) == phase_clock.TRACE_CHUNKS
+    assert int(consts["kTracePoints"]) == len(phase_clock.TRACE_POINTS) == len(phase_clock.TRACE_INTERVALS)
+    assert f"kNumWarps = {phase_clock.WARPS};" in (mega / "config.cuh").read_text()
+    # every point is written once, in order, in the lagged K loop
+    loop = (mega / "mainloop_smem.cuh").read_text()
+    assert [int(i) for i in re.findall(r"trace_point\(trace, c, (\d+)\)", loop)] == list(
+        range(len(phase_clock.TRACE_POINTS)))
+
+
+def test_chunk_trace_intervals():
+    """chunk_trace: per interval, the mean cycles over traced CTAs, chunks and a warpgroup's warps;
+    g0's promotion runs from a chunk's last point to the next chunk's start."""
+    import torch
+
+    from vllm_megamoe.kernels import phase_clock as pc
+    points, chunks, warps = len(pc.TRACE_POINTS), pc.TRACE_CHUNKS, pc.WARPS
+    gaps = torch.arange(1, points, dtype=torch.int64) * 10      # 10, 20, ... cycles between points
+    chunk_len = int(gaps.sum()) + 100                            # + 100 cycles of g0's promotion
+    trace = torch.zeros(warps, chunks, points, dtype=torch.int64)
+    for w in range(warps):
+        for c in range(chunks):
+            start = 10**9 + c * chunk_len + (500 if w >= warps // 2 else 0)  # warpgroup 1 runs 500 cycles later
+            trace[w, c, 0] = start
+            trace[w, c, 1:] = start + torch.cumsum(gaps, 0) + (7 if w == 5 else 0) * torch.arange(1, points)
+    marks = [10**12 + 1000 * i for i in range(len(pc.MARKS))]
+    row = torch.tensor(marks + [0] * len(pc.SPANS), dtype=torch.int64)
+    traced = torch.cat([row, trace.flatten()])
+    untraced = torch.cat([row, torch.zeros(pc.TRACE_COLUMNS, dtype=torch.int64)])
+    clock = torch.stack([traced, untraced, traced])
+    assert clock.shape[1] == pc.columns(True)
+    t = pc.summarize(clock)["chunk_trace"]
+    assert t["ctas"] == 2
+    assert t["stage_wait"]["wg0"] == pytest.approx(10)
+    assert t["wait_g0"]["wg0"] == pytest.approx(80)
+    assert t["stage_wait"]["wg1"] == pytest.approx(10 + 7 / 4)  # warp 5's intervals are 7 cycles longer
+    assert t["stage_wait"]["max_warp"] == pytest.approx(17)
+    assert t["promote_g0"]["wg0"] == pytest.approx(100) and t["promote_g0"]["wg1"] == pytest.approx(100 - 7 * 8 / 4)
+    assert t["chunk_cycles"] == pytest.approx(chunk_len)
+    assert "chunk_trace" not in pc.summarize(torch.stack([untraced, untraced]))
+    assert "chunk_trace" not in pc.summarize(clock[:, :pc.COLUMNS])
+
+
+def test_chunk_trace_builds_are_opt_in(monkeypatch):
+    """VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 adds its define (a separate cache entry); bad values are refused."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    buf = _Buf()
+    plain = sm90_mega_moe.kernel_spec(shape, buf)
+    assert "MEGAMOE_CHUNK_TRACE" not in dict(plain.defines)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1")
+    traced = sm90_mega_moe.kernel_spec(shape, buf)
+    assert dict(traced.defines)["MEGAMOE_CHUNK_TRACE"] == "1" and traced != plain
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "yes")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_CHUNK_TRACE='yes' must be 0 or 1"):
+        sm90_mega_moe.kernel_spec(shape, buf)
+
+
+@needs_nvrtc
+def test_chunk_trace_build_compiles_without_spills(private_cache, monkeypatch):
+    """The trace build of the V4-Flash-like FP8 64-token kernel compiles through NVRTC without
+    spills or serialised wgmmas (its clock stores sit inside the K loop)."""
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buf()), "nvrtc")
+    assert _resources(compiled.log)[1] == 0, compiled.log
+    assert "serialized" not in compiled.log, compiled.log
+
+
 def test_params_mirror_matches_the_kernel_struct():
     """sm90_mega_moe._Params lists the fields of megamoe::mega::Params in the same order."""
     from vllm_megamoe.kernels import sm90_mega_moe

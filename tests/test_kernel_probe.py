@@ -11,6 +11,7 @@ def test_variants_map_to_the_kernel_knobs():
     assert kp.variant_env("mainloop=ldg") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "ldg"}
     assert kp.variant_env("mainloop=wgmma,stages=5") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "wgmma",
                                                         "VLLM_MEGAMOE_SM90_STAGES": "5"}
+    assert kp.variant_env("trace=1") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1"}
     for bad in ("stages", "depth=3", "stages=", "stages=3,"):
         with pytest.raises(ValueError, match="variant"):
             kp.variant_env(bad)
@@ -53,6 +54,18 @@ def test_merge_sums_task_counts_and_keeps_the_slower_spans():
     m = kp.merge([[row(0, 3.0, 10.0)], [row(1, 4.5, 12.0)]])[0]
     assert m["task_us"] == {"l1_gemm": 4.5, "l1_tasks": 22.0}
     assert "us per task" in kp.table([m]) and "22/0" in kp.table([m])
+
+
+def test_table_prints_a_chunk_trace():
+    """Rows of a trace build get one line of cycles per interval (warpgroup 0 / 1) and the total."""
+    trace = {k: dict(wg0=100.0 + i, wg1=200.0 + i, max_warp=300.0) for i, k in enumerate(phase_clock.TRACE_INTERVALS)}
+    trace.update(ctas=132, chunk_cycles=1234.0)
+    r = dict(shape="v4-flash", format="f", tokens_per_rank=8192, variant="trace=1", graph_us=10.0,
+             rel_err_vs_first_variant=0.0, clock_total_us=9.0, ctas=132, phases_us={}, chunk_trace=trace)
+    text = kp.table(kp.merge([[dict(r, rank=0)], [dict(r, rank=1, chunk_trace={})]]))
+    line = text.splitlines()[-1]
+    assert "cycles per chunk" in text and line.split()[:3] == ["v4-flash", "8192", "trace=1:"]
+    assert "100/200" in line and line.endswith("1234")
 
 
 def test_versus_puts_the_probe_default_next_to_the_benchmark_paths(tmp_path):

@@ -18,11 +18,27 @@ MARKS = ("start", "staged", "dispatched", "pulled", "l1_start", "l1_done", "l2_s
 SPANS = ("l1_loop", "l1_tasks", "l1_gemm", "l1_epilogue", "l2_loop", "l2_tasks", "l2_wait", "l2_gemm",
          "l2_epilogue")
 COLUMNS = len(MARKS) + len(SPANS)
+# Chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 builds; the constants of phase_clock.cuh, tested):
+# clock64 of lane 0 of each warp at TRACE_POINTS points of K chunks TRACE_FIRST_CHUNK.. of the
+# CTA's L1 task number TRACE_TASK, as [warp][chunk][point] after the marks and spans.
+WARPS = 8
+TRACE_TASK, TRACE_FIRST_CHUNK, TRACE_CHUNKS = 2, 8, 5
+TRACE_POINTS = ("start", "landed", "g0_issued", "g1_prev_waited", "g1_prev_promoted", "barrier", "refill",
+                "g1_issued", "g0_waited")
+# The interval that ends at each point, then g0's promotion (g0_waited to the next chunk's start).
+TRACE_INTERVALS = ("stage_wait", "issue_g0", "wait_g1_prev", "promote_g1_prev", "cta_barrier", "refill",
+                   "issue_g1", "wait_g0", "promote_g0")
+TRACE_COLUMNS = WARPS * TRACE_CHUNKS * len(TRACE_POINTS)
 
 
-def new_clock(grid: int, device: torch.device) -> torch.Tensor:
-    """A zeroed [grid, COLUMNS] int64 tensor for one launch with `grid` CTAs."""
-    return torch.zeros(grid, COLUMNS, dtype=torch.int64, device=device)
+def columns(trace: bool = False) -> int:
+    """int64 columns per CTA row: marks and spans, plus the chunk trace in trace builds."""
+    return COLUMNS + (TRACE_COLUMNS if trace else 0)
+
+
+def new_clock(grid: int, device: torch.device, trace: bool = False) -> torch.Tensor:
+    """A zeroed [grid, columns(trace)] int64 tensor for one launch with `grid` CTAs."""
+    return torch.zeros(grid, columns(trace), dtype=torch.int64, device=device)
 
 
 def summarize(clock: torch.Tensor) -> dict:
@@ -39,8 +55,34 @@ def summarize(clock: torch.Tensor) -> dict:
     out = dict(ctas=int(ns.shape[0]), total_us=last[-1],
                marks={m: dict(first_us=f, last_us=l) for m, f, l in zip(MARKS, first, last)})
     out["phases_us"] = {f"{a}->{b}": last[i + 1] - last[i] for i, (a, b) in enumerate(zip(MARKS, MARKS[1:]))}
-    if full.shape[1] == COLUMNS:
-        out["task_us"] = task_spans(full)
+    if full.shape[1] >= COLUMNS:
+        out["task_us"] = task_spans(full[:, :COLUMNS])
+    if full.shape[1] == columns(True):
+        trace = chunk_trace(clock.detach().to("cpu")[written])
+        if trace:
+            out["chunk_trace"] = trace
+    return out
+
+
+def chunk_trace(clock: torch.Tensor) -> dict:
+    """SM cycles of each interval of a traced K chunk (TRACE_INTERVALS), from the trace columns
+    of a trace build's clock: mean over the CTAs that wrote the trace, the traced chunks and the
+    warps of each warpgroup (`wg0`, `wg1`), and the largest warp mean (`max_warp`); promote_g0
+    ends at the next chunk's start, so it comes from all traced chunks but the last. {} when no
+    CTA traced (no L1 task number TRACE_TASK with enough chunks)."""
+    t = clock[:, COLUMNS:COLUMNS + TRACE_COLUMNS].to(torch.float64)
+    t = t.reshape(-1, WARPS, TRACE_CHUNKS, len(TRACE_POINTS))
+    t = t[(t > 0).all(dim=3).all(dim=2).all(dim=1)]  # CTAs whose every warp wrote every point
+    if t.shape[0] == 0:
+        return {}
+    within = t[..., 1:] - t[..., :-1]                 # [cta, warp, chunk, point - 1]
+    promote = t[:, :, 1:, 0] - t[:, :, :-1, -1]       # g0_waited -> next chunk's start
+    per_warp = torch.cat([within.mean(dim=(0, 2)), promote.mean(dim=(0, 2)).unsqueeze(1)], dim=1)  # [warp, interval]
+    half = WARPS // 2
+    out = {"ctas": int(t.shape[0]), "chunk_cycles": float(per_warp.sum(dim=1).mean())}
+    for i, name in enumerate(TRACE_INTERVALS):
+        out[name] = dict(wg0=float(per_warp[:half, i].mean()), wg1=float(per_warp[half:, i].mean()),
+                         max_warp=float(per_warp[:, i].max()))
     return out
 
 

@@ -78,11 +78,11 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     `shape` on `buffer` (cached on the buffer: the op asks for it on every call)."""
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
-    ablate = ablation_from_env()
+    ablate, trace = ablation_from_env(), chunk_trace_from_env()
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
-    if (shape, choice, ablate) not in cache:
-        cache[(shape, choice, ablate)] = _make_spec(shape, buffer, choice, ablate)
-    return cache[(shape, choice, ablate)]
+    if (shape, choice, ablate, trace) not in cache:
+        cache[(shape, choice, ablate, trace)] = _make_spec(shape, buffer, choice, ablate, trace)
+    return cache[(shape, choice, ablate, trace)]
 
 
 # Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows
@@ -108,7 +108,18 @@ def ablation_from_env() -> int:
     return sum(ABLATIONS[part] for part in set(parts))
 
 
-def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0) -> jit.KernelSpec:
+def chunk_trace_from_env() -> bool:
+    """Profiling only: VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 builds a kernel whose FP8 K loop records
+    clock values inside a few K chunks of one L1 task per CTA into the phase clock
+    (kernels.phase_clock.chunk_trace; MEGAMOE_CHUNK_TRACE in csrc/sm90/mega/phase_clock.cuh). Its
+    outputs are right; the stores slow the traced chunks a little."""
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "")
+    require(raw in ("", "0", "1"), f"VLLM_MEGAMOE_SM90_CHUNK_TRACE={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
+def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0,
+               trace: bool = False) -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     require(sm90_tuning.tile_supported(fmt, choice.tile),
             "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
@@ -130,6 +141,10 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
         logger.warning("VLLM_MEGAMOE_SM90_ABLATE=%s: profiling build, its outputs are wrong",
                        os.environ.get("VLLM_MEGAMOE_SM90_ABLATE"))
         defines.update(MEGAMOE_ABLATE=ablate)
+    if trace:
+        logger.warning("VLLM_MEGAMOE_SM90_CHUNK_TRACE=1: profiling build, it writes clock values inside the K loop "
+                       "when called with a phase clock")
+        defines.update(MEGAMOE_CHUNK_TRACE=1)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 
 
@@ -203,8 +218,9 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
              y: Optional[torch.Tensor] = None, phase_clock: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused kernel for one layer on this rank (a collective; see ops.mega_moe).
 
-    phase_clock: optional int64 [CTAs, phase_clock.COLUMNS] tensor (kernels.phase_clock) that
-    receives every CTA's phase timestamps; grid_size(shape, buffer) gives the CTA count."""
+    phase_clock: optional int64 [CTAs, phase_clock.columns(trace)] tensor (kernels.phase_clock)
+    that receives every CTA's phase timestamps (trace: a VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 build,
+    whose rows also hold the chunk trace); grid_size(shape, buffer) gives the CTA count."""
     from ..portable import validate_call
     shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
     ok, why = supports(shape, weights.format, buffer.num_ranks)
@@ -234,9 +250,10 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         params.w13_scale, params.w2_scale = kw.w13_scale.data_ptr(), kw.w2_scale.data_ptr()
     params.error_record = error_record.record_for(x.device).data_ptr()
     if phase_clock is not None:
-        from .phase_clock import COLUMNS
+        from .phase_clock import columns
         grid = _grid_size(dev, spec)
-        check_tensor("phase_clock", phase_clock, dtype=torch.int64, shape=(grid, COLUMNS), contiguous=True)
+        traced = dict(spec.defines).get("MEGAMOE_CHUNK_TRACE") == "1"
+        check_tensor("phase_clock", phase_clock, dtype=torch.int64, shape=(grid, columns(traced)), contiguous=True)
         require(phase_clock.device == x.device, f"phase_clock must be on {x.device}")
         params.phase_clock = phase_clock.data_ptr()
     for r, ptr in enumerate(buffer.buffer_ptrs):

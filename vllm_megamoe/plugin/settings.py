@@ -127,7 +127,12 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "table, else 4).", core_env=True),
     Key("sm90_ablate", _text, None,
         "Profiling only, outputs are wrong: SM90 builds without part of the GEMM mainloop "
-        "('+'-joined: promotion, mma, token_rows, weight_rows) to time what is left (benchmarks/kernel_probe.py).",
+        "('+'-joined: promotion, mma, token_rows, weight_rows, tma, tma_warm, narrow, half_rows) to time what "
+        "is left (benchmarks/kernel_probe.py).",
+        core_env=True),
+    Key("sm90_chunk_trace", _flag, "0",
+        "Profiling only: SM90 builds whose FP8 K loop records clock values into a phase clock "
+        "(benchmarks/kernel_probe.py trace=1); serving passes no clock, so it only adds instructions.",
         core_env=True),
 )}
 

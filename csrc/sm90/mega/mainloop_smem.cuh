@@ -23,6 +23,7 @@
 #include "../wgmma.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
+#include "phase_clock.cuh"
 #include "sync.cuh"
 
 #ifndef MEGAMOE_MAINLOOP_STAGES
@@ -508,16 +509,32 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
   issue_group<kN>(part1, sm, stage, 1);
   load_promote_scales(scales, sm, 0);
   promote_after<1, kN>(acc.v[0], part0, scales);
+  u64* trace = trace_row(p, st.phase == kPhaseL1 && st.seq == kTraceTask * kChunks);  // chunk trace builds only
   for (u32 c = 1; c < kChunks; ++c) {
+    trace_point(trace, c, 0);
     stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
+    trace_point(trace, c, 1);
     issue_group<kN>(part0, sm, stage, 0);
-    promote_after<1, kN>(acc.v[1], part1, scales);  // g1(c - 1) while g0(c) runs
+    trace_point(trace, c, 2);
+    fence_accumulators(part1);
+    wgmma_wait_group<1>();  // g1(c - 1), while g0(c) runs
+    fence_accumulators(part1);
+    trace_point(trace, c, 3);
+    promote_tile(acc.v[1], part1, scales);
+    trace_point(trace, c, 4);
     __syncthreads();  // every warpgroup is done with chunk c - 1's stage
+    trace_point(trace, c, 5);
     load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    trace_point(trace, c, 6);
     issue_group<kN>(part1, sm, stage, 1);
+    trace_point(trace, c, 7);
     load_promote_scales(scales, sm, c);
-    promote_after<1, kN>(acc.v[0], part0, scales);  // g0(c) while g1(c) runs
+    fence_accumulators(part0);
+    wgmma_wait_group<1>();  // g0(c), while g1(c) runs
+    fence_accumulators(part0);
+    trace_point(trace, c, 8);
+    promote_tile(acc.v[0], part0, scales);
   }
   promote_after<0, kN>(acc.v[1], part1, scales);
 }

@@ -4,7 +4,8 @@
 // at the end the SM cycles it spent in each span of its GEMM tasks (mainloop, epilogue, waits)
 // into phase_clock[cta][kNumPhaseMarks + span]: where a task's time goes, which the marks cannot
 // say because a CTA's tasks interleave K loops and epilogues.
-// The Python twin is vllm_megamoe.kernels.phase_clock (same marks and spans, same order).
+// The Python twin is vllm_megamoe.kernels.phase_clock (same marks and spans, same order, same
+// chunk-trace constants).
 #pragma once
 #include "params.cuh"
 #include "sync.cuh"
@@ -40,9 +41,44 @@ enum TaskSpan : int {
 };
 constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
 
+// Chunk trace (MEGAMOE_CHUNK_TRACE builds, profiling; VLLM_MEGAMOE_SM90_CHUNK_TRACE=1): lane 0 of
+// every warp writes clock64 at kTracePoints points of K chunks kTraceFirstChunk.. of its CTA's
+// L1 task number kTraceTask (counted from 0; the lagged FP8 loop only), after the marks and spans:
+// where in a chunk each warp waits, which the spans (whole K loops) and the ablations (whole
+// parts of the loop removed) cannot say. Points, in loop order: chunk start, stage landed, g0(c)
+// issued, g1(c - 1) waited for, g1(c - 1) promoted, past the CTA barrier, refill issued, g1(c)
+// issued, g0(c) waited for (g0(c)'s promotion ends at the next chunk's start).
+#ifndef MEGAMOE_CHUNK_TRACE
+#define MEGAMOE_CHUNK_TRACE 0
+#endif
+constexpr u32 kTraceTask = 2, kTraceFirstChunk = 8, kTraceChunks = 5, kTracePoints = 9;
+constexpr int kChunkTraceColumns = MEGAMOE_CHUNK_TRACE ? kNumWarps * kTraceChunks * kTracePoints : 0;
+constexpr int kPhaseClockStride = kPhaseClockColumns + kChunkTraceColumns;  // int64 columns per CTA row
+
+// This warp's trace row for a task: the [chunk][point] clock slots of lane 0 when the build
+// traces and `traced` (the CTA's task number kTraceTask of L1), else nullptr.
+MEGAMOE_DEVICE u64* trace_row(const Params& p, bool traced) {
+  if constexpr (MEGAMOE_CHUNK_TRACE != 0) {
+    if (traced && p.phase_clock != nullptr && threadIdx.x % 32 == 0)
+      return p.phase_clock + static_cast<u64>(blockIdx.x) * kPhaseClockStride + kPhaseClockColumns +
+             (threadIdx.x / 32) * kTraceChunks * kTracePoints;
+  }
+  (void)p, (void)traced;
+  return nullptr;
+}
+
+// One trace point of chunk `c` (nothing unless the row is set and c is in the window).
+MEGAMOE_DEVICE void trace_point(u64* row, u32 c, u32 point) {
+  if constexpr (MEGAMOE_CHUNK_TRACE != 0) {
+    if (row != nullptr && c - kTraceFirstChunk < kTraceChunks)
+      row[(c - kTraceFirstChunk) * kTracePoints + point] = static_cast<u64>(clock64());
+  }
+  (void)row, (void)c, (void)point;
+}
+
 MEGAMOE_DEVICE void mark_phase(const Params& p, PhaseMark mark) {
   if (p.phase_clock != nullptr && threadIdx.x == 0)
-    p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockColumns + mark] = global_timer_ns();
+    p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockStride + mark] = global_timer_ns();
 }
 
 // Thread 0's running sums, in shared memory (no registers held across the K loops).
@@ -89,7 +125,7 @@ MEGAMOE_DEVICE void loop_end(const Params& p, TaskClock& c, TaskSpan span) {
 MEGAMOE_DEVICE void write_task_clock(const Params& p, const TaskClock& c) {
   if (p.phase_clock != nullptr && threadIdx.x == 0)
     for (int s = 0; s < kNumTaskSpans; ++s)
-      p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockColumns + kNumPhaseMarks + s] = c.sum[s];
+      p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockStride + kNumPhaseMarks + s] = c.sum[s];
 }
 
 }  // namespace megamoe::mega
