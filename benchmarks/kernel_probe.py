@@ -4,7 +4,7 @@
         --variants stages=2 stages=3 stages=4 mainloop=ldg --out probe.json
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
-knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma|tma_wg`,
+knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
 `tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
 times only), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace); several joined by

@@ -3,8 +3,7 @@
 #   STEP=verify  every kernel test of the default builds (or of VLLM_MEGAMOE_SM90_MAINLOOP=... when
 #                set), then compute-sanitizer memcheck
 #                and racecheck on a small case
-#   STEP=probe   the main tests of the tma_wg builds (32- and 64-token tiles), then per-phase times
-#                of the table's builds, tma_wg and 5-stage decode builds side by side
+#   STEP=probe   per-phase times of the table's builds next to forced token tiles and 5 stages
 #                (benchmarks/kernel_probe.py); feed the JSON to `python -m benchmarks.tune_sm90`
 #                for configs/sm90_mega_moe.yaml
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
@@ -44,19 +43,12 @@ case "${STEP:-verify}" in
     # optional: PROBE_VARIANTS at PROBE_TOKENS tokens per rank of V4-Flash (e.g. sms=66 against the default)
     [ -n "${PROBE_VARIANTS:-}" ] && timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash \
       --tokens ${PROBE_TOKENS:-8192} --variants $PROBE_VARIANTS --out "$OUT/probe_verify.json" 2>&1 | tail -8 ;;
-  probe)    # ~9 min: main tests of the tma_wg builds, then per-phase probes against the table's builds
-    T0=$(date +%s); left() { echo $(( 560 - ($(date +%s) - T0) )); }
-    for build in "VLLM_MEGAMOE_SM90_MAINLOOP=tma_wg" "VLLM_MEGAMOE_SM90_MAINLOOP=tma_wg VLLM_MEGAMOE_SM90_TOKEN_TILE=64"; do
-      name=$(echo "$build" | tr '= ' '__' | tr 'A-Z' 'a-z')
-      env $build timeout 110 python3 -m pytest $T -o timeout=100 tests/gpu/test_sm90_mega_moe.py \
-        -k "(one_gpu and (qwen3 or v4)) or (multi_gpu and v4) or back_to_back" > "$OUT/$name.log" 2>&1
-      echo "$build: $(tail -1 "$OUT/$name.log")"
-    done
-    timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
-      --variants ${VARIANTS:-default mainloop=tma_wg mainloop=tma,stages=5,tile=32 mainloop=tma_wg,stages=5,tile=32} \
-      --out "$OUT/probe_v4.json" 2>&1 | tail -26
+  probe)    # ~7 min: per-phase probes of the table's builds next to forced token tiles and 5 stages
+    T0=$(date +%s); left() { echo $(( 540 - ($(date +%s) - T0) )); }
+    timeout 250 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
+      --variants ${VARIANTS:-default tile=32 tile=64 stages=5} --out "$OUT/probe_v4.json" 2>&1 | tail -26
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
-      --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants default mainloop=tma_wg \
+      --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants ${VARIANTS:-default tile=32 tile=64} \
       --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
   bench)
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \

@@ -29,16 +29,13 @@ MAX_LOCAL_EXPERTS = 512
 # Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
 #   "tma" (the heuristic's): the wgmma stages filled by TMA box copies on per-stage mbarriers (one
 #     issuing thread; H200 EP2, three shapes, 1-8192 tokens per rank: 1.03-1.16x faster than wgmma);
-#   "tma_wg": the TMA stages without a CTA barrier per K chunk: each warpgroup releases a stage
-#     after its wgmmas, the last release issues the next copy into it (correct; 1-4 % slower than
-#     "tma" on 2 x H200, kept as an opt-in);
 #   "wgmma": cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
 #     (H200, V4-Flash-like EP2: 1.2x the smem build at 8 tokens per rank, 2x at 1024-8192);
 #   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
 #   "ldg": fragments loaded straight from global memory (the first version).
 # Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
 logger = logging.getLogger(__name__)
-MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3, "tma_wg": 4}
+MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3}
 
 
 class _Params(ctypes.Structure):

@@ -8,8 +8,8 @@ from ..shape import MoEShape
 
 TILE_ROWS = 256                 # weight rows per GEMM task
 SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
-WGMMA_MAINLOOPS = ("wgmma", "tma", "tma_wg")
-TMA_MAINLOOPS = ("tma", "tma_wg")
+WGMMA_MAINLOOPS = ("wgmma", "tma")
+TMA_MAINLOOPS = ("tma",)
 # Builds whose epilogue tile lives in the stage of a task's last K chunk (expert_gemm.cuh
 # MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
 EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)
@@ -36,8 +36,6 @@ def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", til
     struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
     if variant in TMA_MAINLOOPS:
         struct += 8 * stages  # one mbarrier per stage
-    if variant == "tma_wg":
-        struct += 4 * stages  # one release counter per stage
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
     return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
 

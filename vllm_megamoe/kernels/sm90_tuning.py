@@ -26,7 +26,7 @@ from typing import Optional
 from ..shape import MoEShape, require
 from .sm90_smem import TMA_MAINLOOPS, WGMMA_MAINLOOPS, fits
 
-MAINLOOPS = ("ldg", "smem", "wgmma", "tma", "tma_wg")
+MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
 # WGMMA_MAINLOOPS: swizzled stages + wgmma, 64- and 128-token tiles possible; TMA_MAINLOOPS: stages
 # filled by TMA, the launch passes tensor maps.
 TILES = (32, 64, 128)
@@ -48,7 +48,7 @@ class Choice:
         require(2 <= self.stages <= 8, f"stages={self.stages} must be in [2, 8]")
         require(self.tile in TILES, f"token tile {self.tile} must be one of {TILES}")
         require(self.tile == 32 or self.mainloop in WGMMA_MAINLOOPS,
-                f"{self.tile}-token tiles need the wgmma, tma or tma_wg mainloop (not {self.mainloop!r})")
+                f"{self.tile}-token tiles need the wgmma or tma mainloop (not {self.mainloop!r})")
         require(self.mainloop != "ldg" or self.stages == 4, "the ldg mainloop has no stages (leave 4)")
 
     def label(self) -> str:
@@ -77,7 +77,7 @@ def env_overrides() -> dict:
     if out.get("tile") in (64, 128):
         mainloop = out.get("mainloop", HEURISTIC.mainloop)
         require(mainloop in WGMMA_MAINLOOPS,
-                f"VLLM_MEGAMOE_SM90_TOKEN_TILE={out['tile']} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma, tma or tma_wg "
+                f"VLLM_MEGAMOE_SM90_TOKEN_TILE={out['tile']} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma "
                 f"(it is {mainloop!r})")
     return out
 

@@ -99,11 +99,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("num_sms", _positive_int, None,
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
-    Key("sm90_mainloop", _choice("ldg", "smem", "wgmma", "tma", "tma_wg"), None,
+    Key("sm90_mainloop", _choice("ldg", "smem", "wgmma", "tma"), None,
         "GEMM mainloop of the SM90 kernel, overriding the tuning table: tma (swizzled stages filled "
         "by TMA + warpgroup MMA; the table's and the heuristic's choice), wgmma (the same stages "
-        "filled with cp.async), tma_wg (tma without the CTA barrier per K chunk; correct, not faster), "
-        "smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
+        "filled with cp.async), smem (padded stages + mma.sync) or ldg (direct loads).", core_env=True),
     Key("portable_scatter", _choice("auto", "torch", "triton"), None,
         "How the portable path's CUDA-graph (padded) mode writes combine rows: triton (one kernel, "
         "live rows only, vector stores), torch (index_put per peer) or auto (triton when it "

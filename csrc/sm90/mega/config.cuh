@@ -23,9 +23,9 @@ constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx /
 constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
 #ifndef MEGAMOE_SMEM_MAINLOOP
-#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma,
-                                  // 4: TMA + wgmma, stages released per warpgroup
+#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma
 #endif
+static_assert(MEGAMOE_SMEM_MAINLOOP >= 0 && MEGAMOE_SMEM_MAINLOOP <= 3, "MEGAMOE_SMEM_MAINLOOP is 0-3");
 // Device printf is a function call, and ptxas serialises every wgmma of a kernel that makes
 // one: with the wgmma mainloop, failures are reported through the host-mapped error record only.
 #define MEGAMOE_TRAP_PRINTF (MEGAMOE_SMEM_MAINLOOP < 2)

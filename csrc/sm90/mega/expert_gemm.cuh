@@ -93,9 +93,9 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
 constexpr u32 kL2PassTokens = kTileTokens < 64 ? kTileTokens : 64;
 constexpr u32 kEpilogueTileBytes = kL2PassTokens * kTileRows * 2;  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
 static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epilogue tile does not fit");
-// The TMA mainloop (not tma_wg, which streams into every stage) leaves the stage of a task's last
-// chunk untouched until the next task's first CTA barrier (the copies streaming into the next
-// task go to the other stages): the epilogue tile lives there instead of in its own 16-32 KB,
+// The TMA mainloop leaves the stage of a task's last chunk untouched until the next task's first
+// CTA barrier (the copies streaming into the next task go to the other stages): the epilogue
+// tile lives there instead of in its own 16-32 KB,
 // which buys the prefill builds a fifth stage. (The cp.async builds keep their own: the stage
 // pointer costs the mma.sync build and the DeepSeek-V3-like FP8 64-token wgmma build a spill.)
 #define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 3)

@@ -14,10 +14,6 @@
 //     token rows past the task's end are whatever follows in staging (their columns are never
 //     stored), rows past the staging region are zero-filled. FP8 promotes with a lag of one
 //     wgmma group (k_loop_lagged_promotion).
-//   MEGAMOE_SMEM_MAINLOOP=4 (tma_wg): the TMA stages without the CTA barrier per K chunk: each
-//     warpgroup releases a stage when its wgmmas on it are done, and the second release of a
-//     stage issues the chunk that goes into it next, so the two warpgroups drift apart and one's
-//     FP32 promotion overlaps the other's wgmmas instead of both waiting at every chunk.
 #pragma once
 #include "../tma.cuh"
 #include "../wgmma.cuh"
@@ -34,8 +30,6 @@ namespace megamoe::mega {
 
 constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP >= 2;
 constexpr bool kTma = MEGAMOE_SMEM_MAINLOOP >= 3;
-constexpr bool kWarpgroupRelease = MEGAMOE_SMEM_MAINLOOP == 4;
-constexpr u32 kWarpgroups = kNumThreads / 128;
 constexpr u32 kChunkBytes = 128;                  // K bytes per stage (FP8: one 128-value scale block)
 constexpr u32 kStagedRow = kWgmma ? 128 : 144;    // bytes per staged row: swizzled, or padded by 16
 constexpr u32 kStageAlign = kWgmma ? 1024 : 16;   // a 128-byte swizzle atom is 8 rows = 1024 bytes
@@ -49,9 +43,6 @@ struct MainloopSmem {
   float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
 #if MEGAMOE_SMEM_MAINLOOP >= 3
   u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
-#endif
-#if MEGAMOE_SMEM_MAINLOOP == 4
-  u32 released[kMainloopStages];              // tma_wg: warpgroup releases of each stage, ever
 #endif
 };
 static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
@@ -83,9 +74,6 @@ MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
 #if MEGAMOE_ABLATE & 32
     ablate_copies_issued = 0;
-#endif
-#if MEGAMOE_SMEM_MAINLOOP == 4
-    for (u32 s = 0; s < kMainloopStages; ++s) sm.released[s] = 0;
 #endif
     fence_barrier_init();
   }
@@ -558,50 +546,6 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
   }
 }
 
-#if MEGAMOE_SMEM_MAINLOOP == 4
-// tma_wg: the K loop of one task without a CTA barrier per chunk. Each warpgroup waits for a
-// stage's TMA, runs its wgmmas (and FP8 promotion), and releases the stage; the warpgroup whose
-// release is the stage's last issues the chunk that goes there next (S chunks ahead, or the next
-// task's first chunks: the stream never drains between tasks either). A warpgroup can run at
-// most S chunks ahead of the other.
-template <u32 K>
-MEGAMOE_DEVICE void cta_gemm_warpgroup_release(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st,
-                                               const TaskOperands& cur, const TaskOperands* next, const Params& p) {
-  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
-  constexpr u32 S = kMainloopStages;
-  if (kChunks < S) next = nullptr;  // the next task's first S chunks come from this one's last S releases
-  const u32 ntiles = (cur.rows.num_rows + 7) / 8;
-  const u32 wg = threadIdx.x / 128;
-  acc.zero();
-  if (!st.prefetched && threadIdx.x == 0) {  // every stage is free: the last task drained them
-    for (u32 c = 0; c < S && c < kChunks; ++c) issue_chunk_tma(sm, (st.seq + c) % S, c, cur);
-  }
-  if constexpr (kFP8) load_task_scales<K / kScaleBlock>(sm, cur);
-  __syncthreads();  // the scale tables, before the first promotion
-  for (u32 c = 0; c < kChunks; ++c) {
-    const u32 seq = st.seq + c, stage = seq % S;
-    wait_stage(&sm.full[stage], stage, seq / S, p, st.phase);
-    chunk_mma(acc, sm, stage, c, ntiles);
-    named_barrier_sync(1 + wg, 128);  // every warp of this warpgroup waited for its wgmmas on the stage
-    if (threadIdx.x % 128 == 0) {
-      __threadfence_block();
-      if (atomicAdd(&sm.released[stage], 1u) % kWarpgroups == kWarpgroups - 1) {  // the stage's last release
-        __threadfence_block();
-        // Staging rows were stored by other CTAs (generic proxy) and made visible to this CTA by
-        // thread 0's acquire and a CTA barrier; the thread issuing the TMA may be another one.
-        fence_proxy_async_global();
-        const u32 ahead = c + S;
-        if (ahead < kChunks) issue_chunk_tma(sm, stage, ahead, cur);
-        else if (next != nullptr) issue_chunk_tma(sm, stage, ahead - kChunks, *next);
-      }
-    }
-  }
-  st.seq += kChunks;
-  st.prefetched = next != nullptr;
-  __syncthreads();  // both warpgroups are done with this task's scale tables
-}
-#endif
-
 // FP8: the task's scale tables into shared memory (from the registers the previous task filled,
 // or loaded now), and the next task's into registers while this one's K loop runs.
 template <u32 K>
@@ -624,9 +568,6 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
                              const TaskOperands* next, const Params& p) {
   static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
   static_assert(kN == kTileTokens || kNarrowTasks, "only the lagged FP8 loop computes narrow tasks");
-#if MEGAMOE_SMEM_MAINLOOP == 4
-  cta_gemm_warpgroup_release<K>(acc, sm, st, cur, next, p);
-#else
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
   constexpr u32 kAhead = kDeferWgmmaWait ? S - 2 : S - 1;  // chunks in flight past the one computed
@@ -666,7 +607,6 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   st.prefetched = next != nullptr;
   if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
   __syncthreads();  // every warp is done with this task's stages and scale tables
-#endif
 }
 
 }  // namespace megamoe::mega
