@@ -148,7 +148,7 @@ def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
             for k, v in (r.get("task_us") or {}).items():  # task counts summed, times the slower rank's
                 m["task_us"][k] = (m["task_us"].get(k, 0.0) + v if k.endswith("_tasks") and m["ranks"] > 1
                                    else max(m["task_us"].get(k, 0.0), v))
-            if not m.get("chunk_trace"):  # the first rank that traced (SM cycles, not comparable to merge)
+            if not m.get("chunk_trace"):  # kept from the first rank that traced (one rank's cycles, not a max)
                 m["chunk_trace"] = r.get("chunk_trace") or {}
             m.pop("rank", None)
     return list(cases.values())

@@ -95,9 +95,9 @@ constexpr u32 kEpilogueTileBytes = kL2PassTokens * kTileRows * 2;  // L1: [token
 static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epilogue tile does not fit");
 // The TMA mainloop leaves the stage of a task's last chunk untouched until the next task's first
 // CTA barrier (the copies streaming into the next task go to the other stages): the epilogue
-// tile lives there instead of in its own 16-32 KB,
-// which buys the prefill builds a fifth stage. (The cp.async builds keep their own: the stage
-// pointer costs the mma.sync build and the DeepSeek-V3-like FP8 64-token wgmma build a spill.)
+// tile lives there instead of in its own 16-32 KB, which buys the prefill builds a fifth stage.
+// (The cp.async builds keep their own: the stage pointer costs the mma.sync build and the
+// DeepSeek-V3-like FP8 64-token wgmma build a spill.)
 #define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 3)
 struct EpilogueSmem {
   float amax[kNumWarps][kTileTokens];  // L1 FP8: each warp's amax per token (before the top-k weight)
