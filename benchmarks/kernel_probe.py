@@ -154,6 +154,10 @@ def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
     return list(cases.values())
 
 
+def _row_label(r: dict) -> str:
+    return f"{r['shape'][:9]:>9} {r['tokens_per_rank']:>5} {r['variant'][-9:]:>9}: "
+
+
 def table(rows: list[dict]) -> str:
     head = ["shape", "tok", "variant", "graph us", "clock us"] + [p[0] for p in PHASES] + ["err"]
     lines = ["  ".join(f"{h:>9}" for h in head)]
@@ -169,8 +173,7 @@ def table(rows: list[dict]) -> str:
         lines += ["", "us per task: " + "  ".join(f"{k:>11}" for k in keys) + "  tasks L1/L2"]
         for r in spans:
             t = r["task_us"]
-            lines.append(f"{r['shape'][:9]:>9} {r['tokens_per_rank']:>5} {r['variant'][-9:]:>9}: "
-                         + "  ".join(f"{t.get(k, float('nan')):11.2f}" for k in keys)
+            lines.append(_row_label(r) + "  ".join(f"{t.get(k, float('nan')):11.2f}" for k in keys)
                          + f"  {t.get('l1_tasks', 0):.0f}/{t.get('l2_tasks', 0):.0f}")
     traced = [r for r in rows if r.get("chunk_trace")]
     if traced:  # SM cycles per interval of a traced K chunk, warpgroup 0 / warpgroup 1 (phase_clock.chunk_trace)
@@ -178,8 +181,7 @@ def table(rows: list[dict]) -> str:
         lines += ["", "cycles per chunk, wg0/wg1: " + "  ".join(f"{k:>15}" for k in TRACE_INTERVALS) + "  total"]
         for r in traced:
             t = r["chunk_trace"]
-            lines.append(f"{r['shape'][:9]:>9} {r['tokens_per_rank']:>5} {r['variant'][-9:]:>9}: "
-                         + "  ".join(f"{t[k]['wg0']:7.0f}/{t[k]['wg1']:<7.0f}" for k in TRACE_INTERVALS)
+            lines.append(_row_label(r) + "  ".join(f"{t[k]['wg0']:7.0f}/{t[k]['wg1']:<7.0f}" for k in TRACE_INTERVALS)
                          + f"  {t['chunk_cycles']:.0f}")
     return "\n".join(lines)
 

@@ -214,8 +214,12 @@ def test_fp8_refuses_128_token_tiles(monkeypatch):
         sm90_mega_moe.kernel_spec(shape, _Buf())
 
 
-def test_ablation_builds_are_profiling_only(monkeypatch):
-    """VLLM_MEGAMOE_SM90_ABLATE adds its define (and a separate cache entry); bad values are refused."""
+@pytest.mark.parametrize("var,good,define,value,bad", [
+    ("VLLM_MEGAMOE_SM90_ABLATE", "promotion+mma", "MEGAMOE_ABLATE", "3", "epilogue"),
+    ("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1", "MEGAMOE_CHUNK_TRACE", "1", "yes")])
+def test_profiling_builds_are_opt_in(monkeypatch, var, good, define, value, bad):
+    """VLLM_MEGAMOE_SM90_ABLATE / _CHUNK_TRACE add their define (and a separate cache entry); bad
+    values are refused with the variable's name."""
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
@@ -226,14 +230,14 @@ def test_ablation_builds_are_profiling_only(monkeypatch):
 
     buf = _Buf()
     plain = sm90_mega_moe.kernel_spec(shape, buf)
-    assert "MEGAMOE_ABLATE" not in dict(plain.defines)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_ABLATE", "promotion+mma")
-    ablated = sm90_mega_moe.kernel_spec(shape, buf)
-    assert dict(ablated.defines)["MEGAMOE_ABLATE"] == "3" and ablated != plain
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_ABLATE", "epilogue")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_ABLATE='epilogue'"):
+    assert define not in dict(plain.defines)
+    monkeypatch.setenv(var, good)
+    profiled = sm90_mega_moe.kernel_spec(shape, buf)
+    assert dict(profiled.defines)[define] == value and profiled != plain
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=f"{var}={bad!r}"):
         sm90_mega_moe.kernel_spec(shape, buf)
-    monkeypatch.delenv("VLLM_MEGAMOE_SM90_ABLATE")
+    monkeypatch.delenv(var)
     assert sm90_mega_moe.kernel_spec(shape, buf) == plain
 
 
@@ -369,27 +373,6 @@ def test_chunk_trace_intervals():
     assert t["chunk_cycles"] == pytest.approx(chunk_len)
     assert "chunk_trace" not in pc.summarize(torch.stack([untraced, untraced]))
     assert "chunk_trace" not in pc.summarize(clock[:, :pc.COLUMNS])
-
-
-def test_chunk_trace_builds_are_opt_in(monkeypatch):
-    """VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 adds its define (a separate cache entry); bad values are refused."""
-    from vllm_megamoe import BufferLayout, MoEShape
-    from vllm_megamoe.kernels import sm90_mega_moe
-
-    shape = MoEShape(4096, 2048, 256, 6)
-
-    class _Buf:
-        layout = BufferLayout(shape, 2, 4096, "fp8-block")
-
-    buf = _Buf()
-    plain = sm90_mega_moe.kernel_spec(shape, buf)
-    assert "MEGAMOE_CHUNK_TRACE" not in dict(plain.defines)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1")
-    traced = sm90_mega_moe.kernel_spec(shape, buf)
-    assert dict(traced.defines)["MEGAMOE_CHUNK_TRACE"] == "1" and traced != plain
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "yes")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_CHUNK_TRACE='yes' must be 0 or 1"):
-        sm90_mega_moe.kernel_spec(shape, buf)
 
 
 @needs_nvrtc
