@@ -29,7 +29,6 @@
 namespace megamoe::mega {
 
 constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP >= 2;
-constexpr bool kTma = MEGAMOE_SMEM_MAINLOOP >= 3;
 constexpr u32 kChunkBytes = 128;                  // K bytes per stage (FP8: one 128-value scale block)
 constexpr u32 kStagedRow = kWgmma ? 128 : 144;    // bytes per staged row: swizzled, or padded by 16
 constexpr u32 kStageAlign = kWgmma ? 1024 : 16;   // a 128-byte swizzle atom is 8 rows = 1024 bytes
@@ -465,12 +464,18 @@ MEGAMOE_DEVICE void issue_group(float (&part)[kN / 2], const MainloopSmem& sm, u
   wgmma_commit_group();
 }
 
-// Waits until at most kPending groups are in flight, then promotes `part` (not among them).
+// Waits until at most kPending groups are in flight; `part` (not among them) is then readable.
 template <int kPending, u32 kN>
-MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)[kN / 2], const PromoteScales<kN / 8>& s) {
+MEGAMOE_DEVICE void wait_for_part(float (&part)[kN / 2]) {
   fence_accumulators(part);
   wgmma_wait_group<kPending>();
   fence_accumulators(part);
+}
+
+// wait_for_part, then promotes `part`.
+template <int kPending, u32 kN>
+MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)[kN / 2], const PromoteScales<kN / 8>& s) {
+  wait_for_part<kPending, kN>(part);
   promote_tile(acc_mt, part, s);
 }
 
@@ -505,9 +510,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     trace_point(trace, c, 1);
     issue_group<kN>(part0, sm, stage, 0);
     trace_point(trace, c, 2);
-    fence_accumulators(part1);
-    wgmma_wait_group<1>();  // g1(c - 1), while g0(c) runs
-    fence_accumulators(part1);
+    wait_for_part<1, kN>(part1);  // g1(c - 1), while g0(c) runs
     trace_point(trace, c, 3);
     promote_tile(acc.v[1], part1, scales);
     trace_point(trace, c, 4);
@@ -518,9 +521,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     issue_group<kN>(part1, sm, stage, 1);
     trace_point(trace, c, 7);
     load_promote_scales(scales, sm, c);
-    fence_accumulators(part0);
-    wgmma_wait_group<1>();  // g0(c), while g1(c) runs
-    fence_accumulators(part0);
+    wait_for_part<1, kN>(part0);  // g0(c), while g1(c) runs
     trace_point(trace, c, 8);
     promote_tile(acc.v[0], part0, scales);
   }
