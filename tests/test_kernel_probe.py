@@ -38,11 +38,13 @@ def test_phase_rows_follow_the_latest_cta():
 def test_merge_takes_the_slowest_rank():
     def row(rank, us, l1):
         return dict(shape="s", format="f", tokens_per_rank=8, variant="default", rank=rank, graph_us=us,
-                    rel_err_vs_first_variant=0.0, clock_total_us=us - 5, ctas=132, phases_us={"L1": l1})
+                    rel_err_vs_first_variant=0.0, clock_total_us=us - 5, ctas=132, phases_us={"L1": l1},
+                    out_sha1=f"digest{rank}")
     merged = kp.merge([[row(0, 100.0, 40.0)], [row(1, 90.0, 55.0)]])
     assert len(merged) == 1
     m = merged[0]
     assert (m["graph_us"], m["phases_us"]["L1"], m["ranks"], m["clock_total_us"]) == (100.0, 55.0, 2, 95.0)
+    assert m["out_sha1"] == "digest0,digest1"
     assert "rank" not in m and "graph us" in kp.table(merged)
 
 
