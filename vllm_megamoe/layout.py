@@ -9,6 +9,11 @@ Regions, in order (each 128-byte aligned):
   expert_send_count   int32 [E]         tokens this rank sends to each global expert (per call)
   expert_recv_count   int32 [R, El]     written by rank r: tokens it sends to my local experts
   recv_src_index      int32 [El, R, T]  written by rank r: token*topk+slot of each token it sends
+  token_send_count    int32 [R]         SM90 kernel: tokens this rank sends to each rank (per call)
+  recv_token_count    int32 [R]         SM90 kernel, written by rank r: how many of its tokens it lists here
+  recv_tokens         int32 [R, T]      SM90 kernel, written by rank r: those tokens, each once
+  recv_token_pairs    int32 [R, T, K]   SM90 kernel, written by rank r: per listed token and top-k slot,
+                                        local expert * T + position of the pair here, or -1
   x                   fp8/bf16 [T, H]   this rank's tokens; peers read them (dispatch pull)
   x_scale             f32 [T, H/128]    per-128 scales of x (fp8-block only)
   topk_idx            int32 [T, K]      global expert ids, -1 masked
@@ -111,6 +116,12 @@ class BufferLayout:
             ("expert_send_count", torch.int32, (s.num_experts,)),
             ("expert_recv_count", torch.int32, (r, el)),
             ("recv_src_index", torch.int32, (el, r, t)),
+            # The SM90 kernel pulls each token once per destination rank (not once per pair) and
+            # copies it into the staging row of each of its pairs there.
+            ("token_send_count", torch.int32, (r,)),
+            ("recv_token_count", torch.int32, (r,)),
+            ("recv_tokens", torch.int32, (r, t)),
+            ("recv_token_pairs", torch.int32, (r, t, s.topk)),
             ("x", act, (t, s.hidden)),
             ("x_scale", torch.float32, (t, s.hidden // SCALE_GROUP) if scaled else (0,)),
             ("topk_idx", torch.int32, (t, s.topk)),

@@ -51,6 +51,7 @@ MEGAMOE_DEVICE void reduce_combine(const Params& p, const Regions& me) {
 MEGAMOE_DEVICE void reset_counters(const Regions& me) {
   if (blockIdx.x != 0) return;
   for (u32 e = threadIdx.x; e < kNumExperts; e += kNumThreads) me.send_count()[e] = 0;
+  if (threadIdx.x < kNumRanks) me.token_send_count()[threadIdx.x] = 0;
   if (threadIdx.x == 0) me.workspace()[kSlotCallCount] += 1;
 }
 

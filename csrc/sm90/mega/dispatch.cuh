@@ -1,6 +1,7 @@
 // Dispatch: stage this rank's tokens in its buffer (FP8 + per-128 scales, or BF16), announce
-// every (token, slot) pair to the rank owning its expert, then pull the rows other ranks
-// announced to us from their buffers into local staging, grouped by local expert.
+// every token to each rank owning one of its experts (with the positions of its pairs there),
+// then pull each announced token once from its source's buffer into the local staging rows of
+// all its pairs, grouped by local expert.
 #pragma once
 #include "conv.cuh"
 #include "mma_tile.cuh"
@@ -54,34 +55,55 @@ MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
   }
 }
 
-// Copies top-k ids/weights into the buffer and announces each routed pair to its destination:
-// recv_src_index[e_local][my rank][position] = token * K + slot, position from a local counter.
+// Copies top-k ids/weights into the buffer and announces each token to every rank owning one of
+// its experts, once per rank: recv_tokens[my rank][j] = token, and per top-k slot the
+// (local expert, position) of the pair there in recv_token_pairs (-1 for slots routed elsewhere),
+// position from a per-expert counter as before. One thread per token, so that the positions of a
+// token's pairs are known together.
 MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
-  const u32 pairs = p.num_tokens * kTopk;
-  for (u32 i = blockIdx.x * kNumThreads + threadIdx.x; i < pairs; i += gridDim.x * kNumThreads) {
-    const u32 token = i / kTopk, slot = i % kTopk;
-    int expert = p.topk_idx[i];
-    const float weight = p.topk_weights[i];
-    if (expert < -1 || expert >= static_cast<int>(kNumExperts)) {
-      atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);  // reported by the host; route dropped
-      expert = -1;
+  for (u32 token = blockIdx.x * kNumThreads + threadIdx.x; token < static_cast<u32>(p.num_tokens);
+       token += gridDim.x * kNumThreads) {
+    int entry[kTopk];  // local expert * kMaxTokens + position, or -1
+    u32 dst_of[kTopk];
+    u32 dst_mask = 0;
+#pragma unroll
+    for (u32 slot = 0; slot < kTopk; ++slot) {
+      const u32 i = token * kTopk + slot;
+      int expert = p.topk_idx[i];
+      entry[slot] = -1;
+      dst_of[slot] = 0;
+      me.topk_weights()[token * kBufTopk + slot] = p.topk_weights[i];
+      if (expert < -1 || expert >= static_cast<int>(kNumExperts)) {
+        atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);  // reported by the host; route dropped
+        expert = -1;
+      }
+      me.topk_idx()[token * kBufTopk + slot] = expert;
+      if (expert < 0) continue;
+      const u32 dst = expert / kNumLocalExperts, local = expert % kNumLocalExperts;
+      const u32 position = atomicAdd(me.send_count() + expert, 1);
+      if (position >= kMaxTokens) {  // only possible when a token lists one expert twice
+        atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);
+        continue;
+      }
+      entry[slot] = static_cast<int>(local * kMaxTokens + position);
+      dst_of[slot] = dst;
+      dst_mask |= 1u << dst;
     }
-    me.topk_idx()[token * kBufTopk + slot] = expert;
-    me.topk_weights()[token * kBufTopk + slot] = weight;
-    if (expert < 0) continue;
-    const u32 dst = expert / kNumLocalExperts, local = expert % kNumLocalExperts;
-    const u32 position = atomicAdd(me.send_count() + expert, 1);
-    if (position >= kMaxTokens) {  // only possible when a token lists one expert twice
-      atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);
-      continue;
+    for (u32 dst = 0; dst < kNumRanks; ++dst) {
+      if (!(dst_mask & (1u << dst))) continue;
+      const u32 j = atomicAdd(me.token_send_count() + dst, 1);
+      const Regions peer{p.peers[dst]};
+      const u64 listed = static_cast<u64>(p.rank) * kMaxTokens + j;
+      peer.recv_tokens()[listed] = static_cast<int>(token);
+#pragma unroll
+      for (u32 slot = 0; slot < kTopk; ++slot)
+        peer.recv_token_pairs()[listed * kBufTopk + slot] = dst_of[slot] == dst ? entry[slot] : -1;
     }
-    Regions peer{p.peers[dst]};
-    peer.recv_src_index()[(static_cast<u64>(local) * kNumRanks + p.rank) * kMaxTokens + position] =
-        static_cast<int>(i);
   }
 }
 
-// After every CTA announced: tell each destination how many pairs it gets per local expert.
+// After every CTA announced: tell each destination how many pairs it gets per local expert and
+// how many of this rank's tokens it lists.
 MEGAMOE_DEVICE void publish_counts(const Params& p, const Regions& me) {
   if (blockIdx.x != 0) return;
   for (u32 e = threadIdx.x; e < kNumExperts; e += kNumThreads) {
@@ -89,6 +111,10 @@ MEGAMOE_DEVICE void publish_counts(const Params& p, const Regions& me) {
     Regions peer{p.peers[dst]};
     const u32 sent = ld_cg_u32(reinterpret_cast<const u8*>(me.send_count() + e));
     peer.recv_count()[p.rank * kNumLocalExperts + local] = static_cast<int>(sent < kMaxTokens ? sent : kMaxTokens);
+  }
+  if (threadIdx.x < kNumRanks) {
+    Regions peer{p.peers[threadIdx.x]};
+    peer.recv_token_count()[p.rank] = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.token_send_count() + threadIdx.x)));
   }
 }
 
@@ -124,45 +150,75 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
   __syncthreads();
 }
 
-// Pulls every announced row from its source rank's buffer into local staging. One warp per row:
-// 16-byte loads over NVLink, plus the row's scales, top-k weight and (src rank, token, slot, e).
+// Pulls every token a source rank listed for this rank from that rank's buffer, once (over
+// NVLink, or from this rank's own x), and stores it into the staging row of each of its pairs
+// here, with the row's scales, top-k weight and (src rank, token, slot, e). One warp per listed
+// token; a token with three experts here crosses NVLink once instead of three times.
 MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
-  const u32 total = table.row_start[kNumLocalExperts];
-  for (u32 row = global_warp(); row < total; row += total_warps()) {
-    const u32 e = upper_bound_index(table.row_start, kNumLocalExperts, row);
-    u32 offset = row - table.row_start[e], src = 0;
-    while (offset >= table.src_count[e][src]) offset -= table.src_count[e][src++];
-    const int pair = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(
-        me.recv_src_index() + (static_cast<u64>(e) * kNumRanks + src) * kMaxTokens + offset)));
-    const u32 token = pair / kTopk, slot = pair % kTopk;
+  u32 listed[kNumRanks], total = 0;
+#pragma unroll
+  for (u32 r = 0; r < kNumRanks; ++r) {
+    listed[r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_count() + r));
+    total += listed[r];
+  }
+  static_assert(kTopk <= 32, "one top-k slot per lane");
+  for (u32 item = global_warp(); item < total; item += total_warps()) {
+    u32 src = 0, j = item;
+    while (j >= listed[src]) j -= listed[src++];
+    const u64 at = static_cast<u64>(src) * kMaxTokens + j;
+    const u32 token = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_tokens() + at));
+    // Lane k < kTopk: the staging row of slot k's pair here, or -1.
+    int my_row = -1;
+    u32 my_e = 0;
+    if (lane < kTopk) {
+      const int entry = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_pairs() + at * kBufTopk + lane)));
+      if (entry >= 0) {
+        const u32 e = static_cast<u32>(entry) / kMaxTokens, position = static_cast<u32>(entry) % kMaxTokens;
+        u32 row = table.row_start[e] + position;
+        for (u32 r = 0; r < src; ++r) row += table.src_count[e][r];
+        my_row = position < table.src_count[e][src] ? static_cast<int>(row) : -1;  // -1: beyond the published count
+        my_e = e;
+      }
+    }
+    int rows[kTopk];
+#pragma unroll
+    for (u32 k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, my_row, k);
     Regions peer{p.peers[src]};
     const uint4* from = reinterpret_cast<const uint4*>(peer.x() + static_cast<u64>(token) * kRowBytesL1);
-    uint4* to = reinterpret_cast<uint4*>(me.staging_l1() + static_cast<u64>(row) * kRowBytesL1);
     // A lane's chunks are loaded in batches before any is stored: loads and stores interleaved
-    // (the compiler cannot tell `to` from `from`) waited one NVLink round trip per 16 bytes.
+    // (the compiler cannot tell the staging rows from `from`) waited one NVLink round trip per 16 bytes.
     constexpr u32 kChunks = kHidden * kElemBytes / 16, kPerLane = (kChunks + 31) / 32;
     constexpr u32 kBatch = kPerLane < 4 ? kPerLane : 4;
 #pragma unroll
     for (u32 c0 = 0; c0 < kPerLane; c0 += kBatch) {
       uint4 v[kBatch];
 #pragma unroll
-      for (u32 j = 0; j < kBatch; ++j)
-        if (const u32 c = lane + 32 * (c0 + j); c < kChunks) v[j] = __ldcg(from + c);
+      for (u32 b = 0; b < kBatch; ++b)
+        if (const u32 c = lane + 32 * (c0 + b); c < kChunks) v[b] = __ldcg(from + c);
 #pragma unroll
-      for (u32 j = 0; j < kBatch; ++j)
-        if (const u32 c = lane + 32 * (c0 + j); c < kChunks) to[c] = v[j];
+      for (u32 k = 0; k < kTopk; ++k) {
+        if (rows[k] < 0) continue;  // warp-uniform
+        uint4* to = reinterpret_cast<uint4*>(me.staging_l1() + static_cast<u64>(rows[k]) * kRowBytesL1);
+#pragma unroll
+        for (u32 b = 0; b < kBatch; ++b)
+          if (const u32 c = lane + 32 * (c0 + b); c < kChunks) to[c] = v[b];
+      }
     }
     if constexpr (kFP8) {
       constexpr u32 kGroups = kHidden / kScaleBlock;
-      for (u32 gidx = lane; gidx < kGroups; gidx += 32)
-        me.staging_l1_scale()[static_cast<u64>(row) * (kBufHidden / kScaleBlock) + gidx] =
-            __ldcg(peer.x_scale() + static_cast<u64>(token) * (kBufHidden / kScaleBlock) + gidx);
+      for (u32 gidx = lane; gidx < kGroups; gidx += 32) {
+        const float scale = __ldcg(peer.x_scale() + static_cast<u64>(token) * (kBufHidden / kScaleBlock) + gidx);
+#pragma unroll
+        for (u32 k = 0; k < kTopk; ++k)
+          if (rows[k] >= 0)
+            me.staging_l1_scale()[static_cast<u64>(rows[k]) * (kBufHidden / kScaleBlock) + gidx] = scale;
+      }
     }
-    if (lane == 0) {
-      me.staging_weight()[row] = __ldcg(peer.topk_weights() + token * kBufTopk + slot);
-      int4 meta = make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(slot), static_cast<int>(e));
-      reinterpret_cast<int4*>(me.staging_meta())[row] = meta;
+    if (my_row >= 0) {  // lane k: its slot's weight and row metadata
+      me.staging_weight()[my_row] = __ldcg(peer.topk_weights() + token * kBufTopk + lane);
+      reinterpret_cast<int4*>(me.staging_meta())[my_row] =
+          make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(lane), static_cast<int>(my_e));
     }
   }
 }

@@ -33,6 +33,15 @@ struct Regions {
   MEGAMOE_DEVICE int* recv_count() const { return reinterpret_cast<int*>(base + kOffRecvCount); }
   // [El, R, kMaxTokens]: token*K + slot of every pair rank r sends to local expert e.
   MEGAMOE_DEVICE int* recv_src_index() const { return reinterpret_cast<int*>(base + kOffRecvSrcIndex); }
+  // [R]: tokens this rank lists for each rank (zeroed again at the end of the call).
+  MEGAMOE_DEVICE int* token_send_count() const { return reinterpret_cast<int*>(base + kOffTokenSendCount); }
+  // [R]: written by source rank r: how many of its tokens it lists here.
+  MEGAMOE_DEVICE int* recv_token_count() const { return reinterpret_cast<int*>(base + kOffRecvTokenCount); }
+  // [R, kMaxTokens]: written by source rank r: the tokens with at least one pair here, each once.
+  MEGAMOE_DEVICE int* recv_tokens() const { return reinterpret_cast<int*>(base + kOffRecvTokens); }
+  // [R, kMaxTokens, kBufTopk]: per listed token and top-k slot, local expert * kMaxTokens + the
+  // pair's position among rank r's pairs for that expert, or -1 (the slot's expert is elsewhere).
+  MEGAMOE_DEVICE int* recv_token_pairs() const { return reinterpret_cast<int*>(base + kOffRecvTokenPairs); }
   MEGAMOE_DEVICE u8* x() const { return base + kOffX; }
   MEGAMOE_DEVICE float* x_scale() const { return reinterpret_cast<float*>(base + kOffXScale); }
   MEGAMOE_DEVICE int* topk_idx() const { return reinterpret_cast<int*>(base + kOffTopkIdx); }
