@@ -165,7 +165,9 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
   static_assert(kTopk <= 32, "one top-k slot per lane");
   for (u32 item = global_warp(); item < total; item += total_warps()) {
     u32 src = 0, j = item;
-    while (j >= listed[src]) j -= listed[src++];
+#pragma unroll
+    for (u32 r = 0; r + 1 < kNumRanks; ++r)  // unrolled: `listed` stays in registers
+      if (src == r && j >= listed[r]) j -= listed[r], src = r + 1;
     const u64 at = static_cast<u64>(src) * kMaxTokens + j;
     const u32 token = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_tokens() + at));
     // Lane k < kTopk: the staging row of slot k's pair here, or -1.
