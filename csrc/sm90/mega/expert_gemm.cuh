@@ -121,6 +121,15 @@ MEGAMOE_DEVICE u8* epilogue_tile(EpilogueSmem& smem, MainloopSmem* mainloop, con
 #endif
 }
 
+// Byte offset of byte `byte` of row `row` in an epilogue tile of `row_bytes`-byte rows: each row's
+// 16-byte chunks are XOR-permuted by the row's low three bits. A warp's fragment stores touch
+// rows 2 apart in the same columns: unpermuted, those rows are a multiple of 128 bytes apart and
+// the stores of its 4 row groups went to the same banks (4-way conflicts); permuted, they land in
+// 4 different chunks, and a row still leaves the tile as whole 16-byte chunks.
+MEGAMOE_DEVICE u32 epilogue_offset(u32 row, u32 byte, u32 row_bytes) {
+  return row * row_bytes + (((byte / 16) ^ (row & 7)) * 16) + byte % 16;
+}
+
 // Before the barrier that ends the epilogue's use of the tile: with the TMA mainloop the next
 // write to that stage is a TMA copy (async proxy), ordered after this thread's generic accesses.
 MEGAMOE_DEVICE void release_epilogue_tile() {
@@ -204,7 +213,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     }
     __syncthreads();
   }
-  u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16
+  u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16, chunks permuted (epilogue_offset)
 #pragma unroll
   for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
 #pragma unroll
@@ -216,10 +225,11 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       for (int mt = 0; mt < 2; ++mt) {
         const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
         const float v = acc.v[mt][nt][j] * w;
+        const u32 at = epilogue_offset(tok, channel * kElemBytes, 128 * kElemBytes);
         if constexpr (kFP8) {
-          tile[tok * 128 + channel] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
+          tile[at] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
         } else {
-          reinterpret_cast<u16*>(tile)[tok * 128 + channel] = f32_to_bf16(v);
+          *reinterpret_cast<u16*>(tile + at) = f32_to_bf16(v);
         }
       }
     }
@@ -230,7 +240,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     const u32 tok = c / kChunksPerRow, chunk = c % kChunksPerRow;
     if (tok >= t.num_rows) continue;
     u8* dst = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * kRowBytes + chunk * 16;
-    *reinterpret_cast<uint4*>(dst) = reinterpret_cast<const uint4*>(tile)[c];
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(tile + epilogue_offset(tok, chunk * 16, kRowBytes));
   }
   release_epilogue_tile();
   __syncthreads();
@@ -284,7 +294,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
-  u16* tile = reinterpret_cast<u16*>(epilogue_tile(smem, mainloop, st));  // [pass tokens][256 channels] bf16
+  u8* tile = epilogue_tile(smem, mainloop, st);  // [pass tokens][256 channels] bf16, chunks permuted (epilogue_offset)
   constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
   constexpr u32 kPassTiles = kPassTokens / 8;
 #pragma unroll
@@ -299,7 +309,8 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
         for (int j = 0; j < 4; ++j) {
           const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
           const u32 tok = pt * 8 + 2 * t4 + (j & 1);
-          tile[tok * kTileRows + channel] = static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
+          *reinterpret_cast<u16*>(tile + epilogue_offset(tok, channel * 2, kTileRows * 2)) =
+              static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
         }
     __syncthreads();
     // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank;
@@ -317,7 +328,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
       meta.z = __shfl_sync(0xffffffffu, my_meta.z, i);
       Regions src{p.peers[meta.x]};
       u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
-      reinterpret_cast<uint4*>(dst)[lane] = reinterpret_cast<const uint4*>(tile + tok * kTileRows)[lane];
+      reinterpret_cast<uint4*>(dst)[lane] = *reinterpret_cast<const uint4*>(tile + epilogue_offset(tok, lane * 16, kTileRows * 2));
     }
     release_epilogue_tile();
     __syncthreads();
