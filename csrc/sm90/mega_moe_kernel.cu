@@ -45,7 +45,6 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   mark_phase(p, kMarkDispatched);
 
   build_expert_table(table, p, me);
-  prefetch_first_l1_weights(table, p);  // HBM works on the first L1 wave while the rows are pulled
   pull_rows(table, p, me);
   mark_phase(p, kMarkPulled);
   grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns, p.error_record);

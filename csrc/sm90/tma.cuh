@@ -28,10 +28,4 @@ MEGAMOE_DEVICE void tma_load_3d(const TensorMap* map, void* smem_dst, u64* bar, 
       : "memory");
 }
 
-// Asks L2 for `bytes` (a multiple of 16) from 16-byte aligned global memory, without a
-// destination in shared memory and without waiting: the bytes are in L2 when a later copy reads them.
-MEGAMOE_DEVICE void bulk_prefetch_l2(const void* gmem, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
-}
-
 }  // namespace megamoe

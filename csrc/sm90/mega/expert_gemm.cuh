@@ -249,20 +249,6 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   span_count(p, clock, kSpanL1Tasks);
 }
 
-// While the rows are pulled (NVLink, a few microseconds at decode) HBM idles: every CTA asks L2
-// for the first kL1PrefetchBytes of each of the 256 weight rows of its first L1 task (task
-// blockIdx.x, for_each_task), the bytes its first K chunks read. 256 KB per CTA, ~34 MB over the
-// grid: inside H200's 50 MB L2. Whole warps (task_coord); thread r prefetches row r.
-constexpr u32 kL1PrefetchBytes = (kHidden * kElemBytes < 1024u ? kHidden * kElemBytes : 1024u) / 16 * 16;
-MEGAMOE_DEVICE void prefetch_first_l1_weights(const ExpertTable& table, const Params& p) {
-  constexpr u32 kTiles = 2 * kInter / kTileRows;
-  static_assert(kNumThreads == kTileRows, "one weight row per thread");
-  if (blockIdx.x >= table.block_start[kNumLocalExperts] * kTiles) return;  // uniform over the CTA
-  const TaskCoord at = task_coord<kTiles>(table, blockIdx.x);
-  const u64 row = static_cast<u64>(at.expert) * 2 * kInter + at.tile * kTileRows + threadIdx.x;
-  bulk_prefetch_l2(p.w13 + row * kHidden * kElemBytes, kL1PrefetchBytes);
-}
-
 // task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
