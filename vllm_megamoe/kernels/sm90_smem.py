@@ -20,7 +20,7 @@ def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int =
     ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale)
     and, unless it lives in a mainloop stage, its tile (expert_gemm.cuh EpilogueSmem), and 1 KB of
     headroom (the task queue's and the phase clock's few words among it)."""
-    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1)) * 4
+    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks) * 4
     epilogue = (8 + 2) * tile_tokens * 4
     if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS:
         epilogue += min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens

@@ -61,43 +61,70 @@ MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
 // position from a per-expert counter as before. One thread per token, so that the positions of a
 // token's pairs are known together.
 MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
+  const u32 lane = threadIdx.x % 32;
   for (u32 token = blockIdx.x * kNumThreads + threadIdx.x; token < static_cast<u32>(p.num_tokens);
        token += gridDim.x * kNumThreads) {
-    int entry[kTopk];  // local expert * kMaxTokens + position, or -1
-    u32 dst_of[kTopk];
+    // Loads first, then every counter atomic (one per slot, one per destination and warp), then
+    // the stores: written slot by slot, each slot's load waited for the previous slot's atomic
+    // (the stores below may alias the inputs for the compiler), kTopk round trips per token.
+    int expert[kTopk];
+    float weight[kTopk];
+#pragma unroll
+    for (u32 slot = 0; slot < kTopk; ++slot) {
+      expert[slot] = p.topk_idx[token * kTopk + slot];
+      weight[slot] = p.topk_weights[token * kTopk + slot];
+    }
+    bool bad = false;
     u32 dst_mask = 0;
 #pragma unroll
     for (u32 slot = 0; slot < kTopk; ++slot) {
-      const u32 i = token * kTopk + slot;
-      int expert = p.topk_idx[i];
+      if (expert[slot] < -1 || expert[slot] >= static_cast<int>(kNumExperts)) bad = true, expert[slot] = -1;
+      if (expert[slot] >= 0) dst_mask |= 1u << (expert[slot] / kNumLocalExperts);
+    }
+    u32 position[kTopk];
+#pragma unroll
+    for (u32 slot = 0; slot < kTopk; ++slot)
+      position[slot] = expert[slot] >= 0 ? atomicAdd(me.send_count() + expert[slot], 1) : 0u;
+    // The token's place in each destination's list: one atomic per destination for the warp's
+    // tokens (ballot), issued before any of the results above is used.
+    const u32 warp_mask = __activemask();
+    u32 wants[kNumRanks], listed_at[kNumRanks];
+#pragma unroll
+    for (u32 dst = 0; dst < kNumRanks; ++dst) {
+      wants[dst] = __ballot_sync(warp_mask, dst_mask & (1u << dst));
+      listed_at[dst] = 0;
+      if (wants[dst] && lane == static_cast<u32>(__ffs(wants[dst]) - 1))
+        listed_at[dst] = atomicAdd(me.token_send_count() + dst, __popc(wants[dst]));
+    }
+#pragma unroll
+    for (u32 dst = 0; dst < kNumRanks; ++dst)
+      if (wants[dst])
+        listed_at[dst] = __shfl_sync(warp_mask, listed_at[dst], __ffs(wants[dst]) - 1) +
+                         __popc(wants[dst] & ((1u << lane) - 1));
+    int entry[kTopk];  // local expert * kMaxTokens + position, or -1
+#pragma unroll
+    for (u32 slot = 0; slot < kTopk; ++slot) {
+      me.topk_weights()[token * kBufTopk + slot] = weight[slot];
+      me.topk_idx()[token * kBufTopk + slot] = expert[slot];
       entry[slot] = -1;
-      dst_of[slot] = 0;
-      me.topk_weights()[token * kBufTopk + slot] = p.topk_weights[i];
-      if (expert < -1 || expert >= static_cast<int>(kNumExperts)) {
-        atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);  // reported by the host; route dropped
-        expert = -1;
-      }
-      me.topk_idx()[token * kBufTopk + slot] = expert;
-      if (expert < 0) continue;
-      const u32 dst = expert / kNumLocalExperts, local = expert % kNumLocalExperts;
-      const u32 position = atomicAdd(me.send_count() + expert, 1);
-      if (position >= kMaxTokens) {  // only possible when a token lists one expert twice
-        atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);
+      if (expert[slot] < 0) continue;
+      if (position[slot] >= kMaxTokens) {  // only possible when a token lists one expert twice
+        bad = true;
         continue;
       }
-      entry[slot] = static_cast<int>(local * kMaxTokens + position);
-      dst_of[slot] = dst;
-      dst_mask |= 1u << dst;
+      entry[slot] = static_cast<int>((expert[slot] % kNumLocalExperts) * kMaxTokens + position[slot]);
     }
+    if (bad) atomicOr(me.workspace() + kSlotErrorFlag, kErrorBadExpert);  // reported by the host; routes dropped
+#pragma unroll
     for (u32 dst = 0; dst < kNumRanks; ++dst) {
       if (!(dst_mask & (1u << dst))) continue;
-      const u32 j = atomicAdd(me.token_send_count() + dst, 1);
       const Regions peer{p.peers[dst]};
-      const u64 listed = static_cast<u64>(p.rank) * kMaxTokens + j;
+      const u64 listed = static_cast<u64>(p.rank) * kMaxTokens + listed_at[dst];
       peer.recv_tokens()[listed] = static_cast<int>(token);
 #pragma unroll
       for (u32 slot = 0; slot < kTopk; ++slot)
-        peer.recv_token_pairs()[listed * kBufTopk + slot] = dst_of[slot] == dst ? entry[slot] : -1;
+        peer.recv_token_pairs()[listed * kBufTopk + slot] =
+            entry[slot] >= 0 && static_cast<u32>(expert[slot]) / kNumLocalExperts == dst ? entry[slot] : -1;
     }
   }
 }
@@ -123,6 +150,12 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
   for (u32 i = threadIdx.x; i < kNumLocalExperts * kNumRanks; i += kNumThreads) {
     const u32 e = i / kNumRanks, r = i % kNumRanks;
     table.src_count[e][r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_count() + r * kNumLocalExperts + e));
+  }
+  // In the same round trip as the counts (pull_rows needs them; a load there of its own cost a
+  // dependent round trip before the first row load).
+  if (threadIdx.x >= kNumThreads - kNumRanks) {
+    const u32 r = threadIdx.x - (kNumThreads - kNumRanks);
+    table.listed[r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_count() + r));
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -159,7 +192,7 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
   u32 listed[kNumRanks], total = 0;
 #pragma unroll
   for (u32 r = 0; r < kNumRanks; ++r) {
-    listed[r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_count() + r));
+    listed[r] = table.listed[r];
     total += listed[r];
   }
   static_assert(kTopk <= 32, "one top-k slot per lane");

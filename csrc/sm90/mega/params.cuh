@@ -62,6 +62,7 @@ struct ExpertTable {
   u32 src_count[kNumLocalExperts][kNumRanks];  // rows from rank r for local expert e
   u32 row_start[kNumLocalExperts + 1];         // first staging row of expert e (prefix sum)
   u32 block_start[kNumLocalExperts + 1];       // first token block (kTileTokens rows) of expert e
+  u32 listed[kNumRanks];                       // tokens rank r listed for this rank (recv_tokens)
 };
 
 // Largest e with table[e] <= value (table ascending, table[0] == 0).
