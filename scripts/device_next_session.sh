@@ -20,6 +20,7 @@
 #   STEP=ab      kernel tests of this tree, then the same kernel_probe of this tree and of other csrc
 #                trees (BASES) side by side
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
+#   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
@@ -120,6 +121,9 @@ case "${STEP:-verify}" in
     timeout 250 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default trace=1 trace=1,ablate=tma_warm} \
       --out "$OUT/probe_trace.json" 2>&1 | tail -24 ;;
+  wgmma)    # ~1 min: cycles per K chunk of the fused kernel's wgmma patterns without copies, next to
+            # the shapes' ceilings and one-group alternatives (csrc/sm90/probe/wgmma_rate.cu)
+    timeout 200 python3 -m benchmarks.wgmma_probe ${CONFIGS:+--configs $CONFIGS} --out "$OUT/wgmma_probe.json" 2>&1 | tail -14 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)
@@ -158,5 +162,5 @@ case "${STEP:-verify}" in
     cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
     python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
     head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, ab, trace, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, ab, trace, wgmma, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac

@@ -1,0 +1,152 @@
+"""How fast FP8 wgmma patterns of the fused SM90 kernel's K loop run on their own, on every SM:
+no copies, stage waits or epilogues (csrc/sm90/probe/wgmma_rate.cu).
+
+    python -m benchmarks.wgmma_probe --out wgmma_probe.json         # one GPU, ~20 s
+    python -m benchmarks.wgmma_probe --compile-only                  # no GPU: registers, spills
+
+A config is N:WG:GROUPS:MODE: m64nNk32 wgmmas (N = the token tile), WG consumer warpgroups of
+GROUPS m64 weight-row groups each, and MODE
+  0  straight accumulation (the shape's rate ceiling),
+  1  a fresh partial per chunk and group, waited for and promoted (two groups lagged as in the
+     fused kernel's k_loop_lagged_promotion),
+  2  mode 1 plus a CTA barrier per chunk (the fused kernel's loop without copies),
+  3  one group per warpgroup into two partials taken in turn, each chunk promoted while the next
+     chunk's group runs,
+  4  mode 3 plus a CTA barrier per chunk.
+The default set holds the fused kernel's builds (64:2:2:2, 32:2:2:2) next to their ceilings and
+one-group alternatives (128:2:1:3 spills ~200 bytes: two 128-token partials and the accumulators
+fill the register file). Each row gives SM cycles per K chunk (128 K values), MACs per SM and
+cycle, and that as a fraction of the FP8 peak.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+
+SOURCE, ENTRY = "sm90/probe/wgmma_rate.cu", "megamoe_wgmma_rate"
+# Dense FP8 MACs per SM and clock on H100 / H200: 1979 TFLOPS / (2 x 132 SMs x 1.83 GHz).
+FP8_MACS_PER_CLOCK = 4096
+CONFIGS = ("64:2:2:0", "64:2:2:1", "64:2:2:2", "32:2:2:0", "32:2:2:2", "64:1:2:2", "128:2:1:0", "128:2:1:2",
+           "128:2:1:3", "128:2:1:4", "64:2:1:3", "256:2:1:0")
+
+
+def parse_config(text: str) -> dict:
+    """'64:2:2:2' -> dict(n=64, warpgroups=2, groups=2, mode=2); errors name the bad field."""
+    parts = text.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"config {text!r}: expected N:WG:GROUPS:MODE, e.g. 64:2:2:2")
+    n, wg, groups, mode = map(int, parts)
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"config {text!r}: N={n} must be a multiple of 8 in [8, 256]")
+    if wg not in (1, 2) or groups not in (1, 2) or mode not in (0, 1, 2, 3, 4):
+        raise ValueError(f"config {text!r}: WG and GROUPS must be 1 or 2, MODE 0 to 4")
+    if mode >= 3 and groups != 1:
+        raise ValueError(f"config {text!r}: MODE 3 and 4 take one group per warpgroup (GROUPS=1)")
+    return dict(n=n, warpgroups=wg, groups=groups, mode=mode)
+
+
+def stage_bytes(cfg: dict) -> int:
+    return (64 * cfg["groups"] * cfg["warpgroups"] + cfg["n"]) * 128
+
+
+def smem_bytes(cfg: dict, stages: int) -> int:
+    """Dynamic shared memory: the stages, 4 scale tables of N floats, 1 KB for the alignment."""
+    return stages * stage_bytes(cfg) + 4 * cfg["n"] * 4 + 1024
+
+
+def spec(cfg: dict, stages: int, chunks: int):
+    from vllm_megamoe.kernels import jit
+    return jit.KernelSpec.make(SOURCE, ENTRY, dict(PROBE_N=cfg["n"], PROBE_WG=cfg["warpgroups"],
+                                                   PROBE_GROUPS=cfg["groups"], PROBE_MODE=cfg["mode"],
+                                                   PROBE_STAGES=stages, PROBE_CHUNKS=chunks))
+
+
+def compile_report(log: str) -> dict:
+    """Registers, spill bytes and whether ptxas serialized the wgmmas, from its -v log."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
+                serialized="C7514" in log)
+
+
+def macs_per_chunk(cfg: dict) -> int:
+    return 64 * cfg["groups"] * cfg["warpgroups"] * cfg["n"] * 128
+
+
+def run(cfg: dict, stages: int, chunks: int, tasks: int) -> dict:
+    import torch
+
+    from vllm_megamoe.kernels import jit
+
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    kernel = jit.get_kernel(spec(cfg, stages, chunks), dev)
+    threads = 128 * cfg["warpgroups"]
+    cycles = torch.zeros(sms * cfg["warpgroups"], dtype=torch.int64, device="cuda")
+    sink = torch.empty(sms * threads, dtype=torch.float32, device="cuda")
+
+    def args(n_tasks: int) -> list:
+        return [ctypes.c_void_p(cycles.data_ptr()), ctypes.c_void_p(sink.data_ptr()), ctypes.c_int32(n_tasks)]
+
+    stream = torch.cuda.current_stream().cuda_stream
+    kernel.launch(sms, threads, smem_bytes(cfg, stages), stream, args(max(1, tasks // 10)))  # warm-up
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    kernel.launch(sms, threads, smem_bytes(cfg, stages), stream, args(tasks))
+    stop.record()
+    torch.cuda.synchronize()
+    per_chunk = cycles.double().median().item() / (tasks * chunks)
+    ms = start.elapsed_time(stop)
+    macs = macs_per_chunk(cfg)
+    return dict(cycles_per_chunk=per_chunk, macs_per_clock=macs / per_chunk,
+                fraction_of_peak=macs / per_chunk / FP8_MACS_PER_CLOCK,
+                tflops=2 * macs * chunks * tasks * sms / (ms * 1e-3) / 1e12, sms=sms, ms=ms,
+                sink_finite=bool(torch.isfinite(sink).all()))
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'config':>10} {'regs':>5} {'spill':>6} {'serial':>6} {'cycles/chunk':>13} {'MAC/clk':>8} {'of peak':>8} {'TFLOPS':>7}"
+    out = [head]
+    for r in rows:
+        timed = "cycles_per_chunk" in r
+        out.append(f"{r['config']:>10} {r['registers'] or '-':>5} {r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
+                   f"{'yes' if r['serialized'] else 'no':>6} "
+                   + (f"{r['cycles_per_chunk']:>13.0f} {r['macs_per_clock']:>8.0f} {r['fraction_of_peak']:>8.2f} "
+                      f"{r['tflops']:>7.0f}" if timed else f"{'-':>13} {'-':>8} {'-':>8} {'-':>7}"))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="N:WG:GROUPS:MODE")
+    ap.add_argument("--stages", type=int, default=4, help="shared-memory stages cycled through")
+    ap.add_argument("--chunks", type=int, default=32, help="K chunks per task (V4-Flash-like L1: 4096 / 128)")
+    ap.add_argument("--tasks", type=int, default=400, help="tasks per CTA in the timed launch")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile and report registers")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from vllm_megamoe.kernels import jit
+
+    rows = []
+    for text in args.configs:
+        cfg = parse_config(text)
+        if smem_bytes(cfg, args.stages) > 227 * 1024:
+            raise SystemExit(f"config {text}: {args.stages} stages need {smem_bytes(cfg, args.stages)} bytes of "
+                             "shared memory (an SM90 CTA has 232448); use fewer --stages")
+        row = dict(config=text, **cfg, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
+                   **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log))
+        if not args.compile_only:
+            row.update(run(cfg, args.stages, args.chunks, args.tasks))
+        rows.append(row)
+        print(table(rows).splitlines()[-1], flush=True)
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

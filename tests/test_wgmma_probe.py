@@ -1,0 +1,38 @@
+"""CPU checks of benchmarks/wgmma_probe.py: config parsing, and that the probe kernel's patterns
+compile for sm_90a without spills and without ptxas serializing the wgmmas (a serialized build
+would time something other than the pattern it names)."""
+import pytest
+
+from benchmarks import wgmma_probe as wp
+from vllm_megamoe.kernels import jit
+
+needs_nvrtc = pytest.mark.skipif(not jit.nvrtc_available(), reason="NVRTC (cuda-bindings + nvidia-cuda-nvrtc) not loadable")
+
+
+def test_configs_parse_and_bad_ones_are_named():
+    assert wp.parse_config("64:2:2:2") == dict(n=64, warpgroups=2, groups=2, mode=2)
+    for bad, what in (("64:2:2", "N:WG:GROUPS:MODE"), ("60:2:2:0", "multiple of 8"), ("64:3:2:0", "WG and GROUPS"),
+                      ("64:2:2:5", "MODE 0 to 4"), ("128:2:2:3", "one group per warpgroup")):
+        with pytest.raises(ValueError, match=what):
+            wp.parse_config(bad)
+
+
+def test_work_and_memory_per_chunk():
+    cfg = wp.parse_config("64:2:2:2")  # the fused kernel's 64-token FP8 build: 256 weight rows x 64 tokens
+    assert wp.macs_per_chunk(cfg) == 256 * 64 * 128
+    assert wp.stage_bytes(cfg) == (256 + 64) * 128 and wp.smem_bytes(cfg, 4) <= 227 * 1024
+
+
+def test_compile_report_reads_ptxas():
+    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized\n"
+           "ptxas info    : Used 229 registers, used 1 barriers\n    0 bytes stack frame, 8 bytes spill stores")
+    assert wp.compile_report(log) == dict(registers=229, spill_bytes=8, serialized=True)
+    assert wp.compile_report("")["serialized"] is False
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("config", ["64:2:2:0", "64:2:2:2", "32:2:2:2", "128:2:1:2", "64:2:1:3"])
+def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
+    report = wp.compile_report(jit.compile_kernel(wp.spec(wp.parse_config(config), 4, 32)).log)
+    assert report["serialized"] is False and report["spill_bytes"] == 0
