@@ -8,7 +8,8 @@ Regions, in order (each 128-byte aligned):
   workspace           int32 [64]        counters and flags, see WORKSPACE_SLOTS
   expert_send_count   int32 [E]         tokens this rank sends to each global expert (per call)
   expert_recv_count   int32 [R, El]     written by rank r: tokens it sends to my local experts
-  recv_src_index      int32 [El, R, T]  written by rank r: token*topk+slot of each token it sends
+  recv_src_index      int32 [El, R, T]  unused since the SM90 kernel announces per token (recv_tokens);
+                                        removed with the next GPU-verified kernel change (offsets move)
   token_send_count    int32 [R]         SM90 kernel: tokens this rank sends to each rank (per call)
   recv_token_count    int32 [R]         SM90 kernel, written by rank r: how many of its tokens it lists here
   recv_tokens         int32 [R, T]      SM90 kernel, written by rank r: those tokens, each once
