@@ -160,8 +160,12 @@ def main(argv=None) -> int:
         print(table(rows).splitlines()[-1], flush=True)
     print(table(rows))
     if args.out:
+        env = dict(nvrtc="%d.%d" % jit.nvrtc_version(), compile_only=args.compile_only)
+        if not args.compile_only:
+            import torch
+            env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(dict(env=env, rows=rows), f, indent=1)
     return 0
 
 

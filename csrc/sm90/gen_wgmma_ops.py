@@ -16,41 +16,26 @@ FLAVOURS = [
 ]
 
 
-def one_wrapper(struct: str, ptx_types: str, k: int, imms: str, n: int) -> str:
+def one_wrapper(struct: str, ptx_types: str, k: int, imms: str, n: int, a_in_registers: bool = False) -> str:
+    """One N shape. A (the M = 64 side) comes from shared memory (descriptor desc_a) or, with
+    a_in_registers, from 4 b32 registers per thread (16 e4m3 values of a k32 step)."""
     num_regs = n // 2
     regs = ", ".join(f"%{i}" for i in range(num_regs))
-    a, b, acc = num_regs, num_regs + 1, num_regs + 2
+    a_slots = 4 if a_in_registers else 1
+    a = "{" + ", ".join(f"%{num_regs + i}" for i in range(4)) + "}" if a_in_registers else f"%{num_regs}"
+    b, acc = num_regs + a_slots, num_regs + a_slots + 1
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(num_regs))
+    a_param, a_ins = (("const u32 (&a)[4]", '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])') if a_in_registers
+                      else ("u64 desc_a", '"l"(desc_a)'))
     return (
         f"template <> struct {struct}<{n}> {{\n"
         f"  static constexpr int kNumAccum = {num_regs};\n"
         f"  static constexpr int kK = {k};\n"
-        f"  __device__ __forceinline__ static void mma(u64 desc_a, u64 desc_b, float (&d)[{num_regs}], bool accumulate) {{\n"
+        f"  __device__ __forceinline__ static void mma({a_param}, u64 desc_b, float (&d)[{num_regs}], bool accumulate) {{\n"
         f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n"\n'
-        f'                 "wgmma.mma_async.sync.aligned.m64n{n}k{k}.{ptx_types} {{{regs}}}, %{a}, %{b}, p, {imms};\\n}}\\n"\n'
+        f'                 "wgmma.mma_async.sync.aligned.m64n{n}k{k}.{ptx_types} {{{regs}}}, {a}, %{b}, p, {imms};\\n}}\\n"\n'
         f"                 : {outs}\n"
-        f'                 : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));\n'
-        f"  }}\n"
-        f"}};\n"
-    )
-
-
-def one_rs_wrapper(n: int) -> str:
-    """e4m3 with A (the M = 64 side) from registers: 4 b32 registers of 4 e4m3 values per thread
-    per k32 step, B from shared memory (descriptor)."""
-    num_regs = n // 2
-    regs = ", ".join(f"%{i}" for i in range(num_regs))
-    a = ", ".join(f"%{num_regs + i}" for i in range(4))
-    b, acc = num_regs + 4, num_regs + 5
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(num_regs))
-    return (
-        f"template <> struct WgmmaFp8E4M3Rs<{n}> {{\n"
-        f"  static constexpr int kNumAccum = {num_regs};\n"
-        f"  __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[{num_regs}], bool accumulate) {{\n"
-        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n"\n'
-        f'                 "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs}}}, {{{a}}}, %{b}, p, 1, 1;\\n}}\\n"\n'
-        f"                 : {outs}\n"
-        f'                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));\n'
+        f'                 : {a_ins}, "l"(desc_b), "r"(static_cast<int>(accumulate)));\n'
         f"  }}\n"
         f"}};\n"
     )
@@ -72,7 +57,7 @@ def main() -> None:
     parts.append("// e4m3 with A from registers (WgmmaFp8E4M3Rs<N>::mma(a, desc_b, d, accumulate)).\n")
     parts.append("template <int N> struct WgmmaFp8E4M3Rs;\n\n")
     for n in N_SHAPES:
-        parts.append(one_rs_wrapper(n))
+        parts.append(one_wrapper("WgmmaFp8E4M3Rs", "f32.e4m3.e4m3", 32, "1, 1", n, a_in_registers=True))
     parts.append("\n}  // namespace megamoe\n")
     out = pathlib.Path(__file__).with_name("wgmma_ops.cuh")
     out.write_text("".join(parts))

@@ -658,6 +658,7 @@ template <int N> struct WgmmaFp8E4M3Rs;
 
 template <> struct WgmmaFp8E4M3Rs<8> {
   static constexpr int kNumAccum = 4;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[4], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
@@ -667,6 +668,7 @@ template <> struct WgmmaFp8E4M3Rs<8> {
 };
 template <> struct WgmmaFp8E4M3Rs<16> {
   static constexpr int kNumAccum = 8;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[8], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
@@ -676,6 +678,7 @@ template <> struct WgmmaFp8E4M3Rs<16> {
 };
 template <> struct WgmmaFp8E4M3Rs<24> {
   static constexpr int kNumAccum = 12;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[12], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1;\n}\n"
@@ -685,6 +688,7 @@ template <> struct WgmmaFp8E4M3Rs<24> {
 };
 template <> struct WgmmaFp8E4M3Rs<32> {
   static constexpr int kNumAccum = 16;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[16], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
@@ -694,6 +698,7 @@ template <> struct WgmmaFp8E4M3Rs<32> {
 };
 template <> struct WgmmaFp8E4M3Rs<40> {
   static constexpr int kNumAccum = 20;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[20], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %25, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n40k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, {%20, %21, %22, %23}, %24, p, 1, 1;\n}\n"
@@ -703,6 +708,7 @@ template <> struct WgmmaFp8E4M3Rs<40> {
 };
 template <> struct WgmmaFp8E4M3Rs<48> {
   static constexpr int kNumAccum = 24;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[24], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
@@ -712,6 +718,7 @@ template <> struct WgmmaFp8E4M3Rs<48> {
 };
 template <> struct WgmmaFp8E4M3Rs<56> {
   static constexpr int kNumAccum = 28;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[28], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %33, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n56k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, {%28, %29, %30, %31}, %32, p, 1, 1;\n}\n"
@@ -721,6 +728,7 @@ template <> struct WgmmaFp8E4M3Rs<56> {
 };
 template <> struct WgmmaFp8E4M3Rs<64> {
   static constexpr int kNumAccum = 32;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[32], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
@@ -730,6 +738,7 @@ template <> struct WgmmaFp8E4M3Rs<64> {
 };
 template <> struct WgmmaFp8E4M3Rs<72> {
   static constexpr int kNumAccum = 36;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[36], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, {%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
@@ -739,6 +748,7 @@ template <> struct WgmmaFp8E4M3Rs<72> {
 };
 template <> struct WgmmaFp8E4M3Rs<80> {
   static constexpr int kNumAccum = 40;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[40], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, {%40, %41, %42, %43}, %44, p, 1, 1;\n}\n"
@@ -748,6 +758,7 @@ template <> struct WgmmaFp8E4M3Rs<80> {
 };
 template <> struct WgmmaFp8E4M3Rs<88> {
   static constexpr int kNumAccum = 44;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[44], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %49, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n88k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43}, {%44, %45, %46, %47}, %48, p, 1, 1;\n}\n"
@@ -757,6 +768,7 @@ template <> struct WgmmaFp8E4M3Rs<88> {
 };
 template <> struct WgmmaFp8E4M3Rs<96> {
   static constexpr int kNumAccum = 48;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[48], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1;\n}\n"
@@ -766,6 +778,7 @@ template <> struct WgmmaFp8E4M3Rs<96> {
 };
 template <> struct WgmmaFp8E4M3Rs<104> {
   static constexpr int kNumAccum = 52;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[52], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %57, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n104k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51}, {%52, %53, %54, %55}, %56, p, 1, 1;\n}\n"
@@ -775,6 +788,7 @@ template <> struct WgmmaFp8E4M3Rs<104> {
 };
 template <> struct WgmmaFp8E4M3Rs<112> {
   static constexpr int kNumAccum = 56;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[56], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, {%56, %57, %58, %59}, %60, p, 1, 1;\n}\n"
@@ -784,6 +798,7 @@ template <> struct WgmmaFp8E4M3Rs<112> {
 };
 template <> struct WgmmaFp8E4M3Rs<120> {
   static constexpr int kNumAccum = 60;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[60], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %65, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n120k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59}, {%60, %61, %62, %63}, %64, p, 1, 1;\n}\n"
@@ -793,6 +808,7 @@ template <> struct WgmmaFp8E4M3Rs<120> {
 };
 template <> struct WgmmaFp8E4M3Rs<128> {
   static constexpr int kNumAccum = 64;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[64], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
@@ -802,6 +818,7 @@ template <> struct WgmmaFp8E4M3Rs<128> {
 };
 template <> struct WgmmaFp8E4M3Rs<136> {
   static constexpr int kNumAccum = 68;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[68], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
@@ -811,6 +828,7 @@ template <> struct WgmmaFp8E4M3Rs<136> {
 };
 template <> struct WgmmaFp8E4M3Rs<144> {
   static constexpr int kNumAccum = 72;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[72], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %77, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n144k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, {%72, %73, %74, %75}, %76, p, 1, 1;\n}\n"
@@ -820,6 +838,7 @@ template <> struct WgmmaFp8E4M3Rs<144> {
 };
 template <> struct WgmmaFp8E4M3Rs<152> {
   static constexpr int kNumAccum = 76;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[76], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %81, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n152k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75}, {%76, %77, %78, %79}, %80, p, 1, 1;\n}\n"
@@ -829,6 +848,7 @@ template <> struct WgmmaFp8E4M3Rs<152> {
 };
 template <> struct WgmmaFp8E4M3Rs<160> {
   static constexpr int kNumAccum = 80;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[80], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, {%80, %81, %82, %83}, %84, p, 1, 1;\n}\n"
@@ -838,6 +858,7 @@ template <> struct WgmmaFp8E4M3Rs<160> {
 };
 template <> struct WgmmaFp8E4M3Rs<168> {
   static constexpr int kNumAccum = 84;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[84], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %89, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n168k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83}, {%84, %85, %86, %87}, %88, p, 1, 1;\n}\n"
@@ -847,6 +868,7 @@ template <> struct WgmmaFp8E4M3Rs<168> {
 };
 template <> struct WgmmaFp8E4M3Rs<176> {
   static constexpr int kNumAccum = 88;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[88], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %93, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, {%88, %89, %90, %91}, %92, p, 1, 1;\n}\n"
@@ -856,6 +878,7 @@ template <> struct WgmmaFp8E4M3Rs<176> {
 };
 template <> struct WgmmaFp8E4M3Rs<184> {
   static constexpr int kNumAccum = 92;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[92], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %97, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n184k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91}, {%92, %93, %94, %95}, %96, p, 1, 1;\n}\n"
@@ -865,6 +888,7 @@ template <> struct WgmmaFp8E4M3Rs<184> {
 };
 template <> struct WgmmaFp8E4M3Rs<192> {
   static constexpr int kNumAccum = 96;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[96], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1;\n}\n"
@@ -874,6 +898,7 @@ template <> struct WgmmaFp8E4M3Rs<192> {
 };
 template <> struct WgmmaFp8E4M3Rs<200> {
   static constexpr int kNumAccum = 100;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[100], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %105, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n200k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99}, {%100, %101, %102, %103}, %104, p, 1, 1;\n}\n"
@@ -883,6 +908,7 @@ template <> struct WgmmaFp8E4M3Rs<200> {
 };
 template <> struct WgmmaFp8E4M3Rs<208> {
   static constexpr int kNumAccum = 104;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[104], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %109, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103}, {%104, %105, %106, %107}, %108, p, 1, 1;\n}\n"
@@ -892,6 +918,7 @@ template <> struct WgmmaFp8E4M3Rs<208> {
 };
 template <> struct WgmmaFp8E4M3Rs<216> {
   static constexpr int kNumAccum = 108;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[108], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %113, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n216k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107}, {%108, %109, %110, %111}, %112, p, 1, 1;\n}\n"
@@ -901,6 +928,7 @@ template <> struct WgmmaFp8E4M3Rs<216> {
 };
 template <> struct WgmmaFp8E4M3Rs<224> {
   static constexpr int kNumAccum = 112;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[112], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %117, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n224k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, {%112, %113, %114, %115}, %116, p, 1, 1;\n}\n"
@@ -910,6 +938,7 @@ template <> struct WgmmaFp8E4M3Rs<224> {
 };
 template <> struct WgmmaFp8E4M3Rs<232> {
   static constexpr int kNumAccum = 116;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[116], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %121, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n232k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115}, {%116, %117, %118, %119}, %120, p, 1, 1;\n}\n"
@@ -919,6 +948,7 @@ template <> struct WgmmaFp8E4M3Rs<232> {
 };
 template <> struct WgmmaFp8E4M3Rs<240> {
   static constexpr int kNumAccum = 120;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[120], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %125, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n240k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119}, {%120, %121, %122, %123}, %124, p, 1, 1;\n}\n"
@@ -928,6 +958,7 @@ template <> struct WgmmaFp8E4M3Rs<240> {
 };
 template <> struct WgmmaFp8E4M3Rs<248> {
   static constexpr int kNumAccum = 124;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[124], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %129, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n248k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123}, {%124, %125, %126, %127}, %128, p, 1, 1;\n}\n"
@@ -937,6 +968,7 @@ template <> struct WgmmaFp8E4M3Rs<248> {
 };
 template <> struct WgmmaFp8E4M3Rs<256> {
   static constexpr int kNumAccum = 128;
+  static constexpr int kK = 32;
   __device__ __forceinline__ static void mma(const u32 (&a)[4], u64 desc_b, float (&d)[128], bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
