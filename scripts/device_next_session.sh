@@ -21,6 +21,8 @@
 #                trees (BASES) side by side
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
+#   STEP=split   split-K (branch next/split-k-decode checked out): its kernel tests, both sanitizers,
+#                then decode probes with split-K on and off
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
@@ -124,6 +126,18 @@ case "${STEP:-verify}" in
   wgmma)    # ~1 min: cycles per K chunk of the fused kernel's wgmma patterns without copies, next to
             # the shapes' ceilings and one-group alternatives (csrc/sm90/probe/wgmma_rate.cu)
     timeout 200 python3 -m benchmarks.wgmma_probe ${CONFIGS:+--configs $CONFIGS} --out "$OUT/wgmma_probe.json" 2>&1 | tail -14 ;;
+  split)    # ~9 min: the split-K branch's tests (split cases, multi-GPU FP8, back-to-back), memcheck and
+            # racecheck (sanitize_probe.py has a split case), then 1 / 8 tokens per rank with split-K on / off
+    timeout 260 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \
+      -k "${TESTS:-split or (multi_gpu and fp8) or back_to_back}" > "$OUT/kernel_tests_split.log" 2>&1
+    tail -3 "$OUT/kernel_tests_split.log"
+    for tool in memcheck racecheck; do
+      timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
+        python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
+      tail -6 "$OUT/$tool.log"
+    done
+    timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
+      --tokens ${TOKENS:-1 8} --variants default split=0 --out "$OUT/probe_split.json" 2>&1 | tail -20 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)
@@ -162,5 +176,5 @@ case "${STEP:-verify}" in
     cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
     python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
     head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, ab, trace, wgmma, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, ab, trace, wgmma, split, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac
