@@ -34,15 +34,19 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 T="-q -rs -p no:cacheprovider --tb=short"
+# compute-sanitizer memcheck and racecheck on tests/gpu/sanitize_probe.py, each within $1 s
+sanitize() {
+  for tool in memcheck racecheck; do
+    timeout "$1" compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
+      python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
+    tail -6 "$OUT/$tool.log"
+  done
+}
 case "${STEP:-verify}" in
   verify)   # ~9 min: every kernel test of the default build, then memcheck and racecheck
     timeout 370 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
     tail -4 "$OUT/kernel_tests.log"
-    for tool in memcheck racecheck; do
-      timeout 140 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
-        python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
-      tail -4 "$OUT/$tool.log"
-    done
+    sanitize 140
     # optional: PROBE_VARIANTS at PROBE_TOKENS tokens per rank of V4-Flash (e.g. sms=66 against the default)
     [ -n "${PROBE_VARIANTS:-}" ] && timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash \
       --tokens ${PROBE_TOKENS:-8192} --variants $PROBE_VARIANTS --out "$OUT/probe_verify.json" 2>&1 | tail -8 ;;
@@ -131,11 +135,7 @@ case "${STEP:-verify}" in
     timeout 260 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \
       -k "${TESTS:-split or (multi_gpu and fp8) or back_to_back}" > "$OUT/kernel_tests_split.log" 2>&1
     tail -3 "$OUT/kernel_tests_split.log"
-    for tool in memcheck racecheck; do
-      timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 \
-        python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.log" 2>&1
-      tail -6 "$OUT/$tool.log"
-    done
+    sanitize 120
     timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
       --tokens ${TOKENS:-1 8} --variants default split=0 --out "$OUT/probe_split.json" 2>&1 | tail -20 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
