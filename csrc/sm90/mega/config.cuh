@@ -34,7 +34,6 @@ static_assert(MEGAMOE_SMEM_MAINLOOP >= 0 && MEGAMOE_SMEM_MAINLOOP <= 3, "MEGAMOE
 constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;
 constexpr u64 kOffSendCount = MEGAMOE_OFF_expert_send_count;
 constexpr u64 kOffRecvCount = MEGAMOE_OFF_expert_recv_count;
-constexpr u64 kOffRecvSrcIndex = MEGAMOE_OFF_recv_src_index;
 constexpr u64 kOffTokenSendCount = MEGAMOE_OFF_token_send_count;
 constexpr u64 kOffRecvTokenCount = MEGAMOE_OFF_recv_token_count;
 constexpr u64 kOffRecvTokens = MEGAMOE_OFF_recv_tokens;

@@ -31,8 +31,6 @@ struct Regions {
   MEGAMOE_DEVICE int* send_count() const { return reinterpret_cast<int*>(base + kOffSendCount); }
   // [R, El]: written by source rank r.
   MEGAMOE_DEVICE int* recv_count() const { return reinterpret_cast<int*>(base + kOffRecvCount); }
-  // [El, R, kMaxTokens]: token*K + slot of every pair rank r sends to local expert e.
-  MEGAMOE_DEVICE int* recv_src_index() const { return reinterpret_cast<int*>(base + kOffRecvSrcIndex); }
   // [R]: tokens this rank lists for each rank (zeroed again at the end of the call).
   MEGAMOE_DEVICE int* token_send_count() const { return reinterpret_cast<int*>(base + kOffTokenSendCount); }
   // [R]: written by source rank r: how many of its tokens it lists here.
@@ -65,18 +63,8 @@ struct ExpertTable {
   u32 listed[kNumRanks];                       // tokens rank r listed for this rank (recv_tokens)
 };
 
-// Largest e with table[e] <= value (table ascending, table[0] == 0).
-MEGAMOE_DEVICE u32 upper_bound_index(const u32* table, u32 n, u32 value) {
-  u32 lo = 0, hi = n;  // answer in [lo, hi)
-  while (hi - lo > 1) {
-    const u32 mid = (lo + hi) / 2;
-    if (table[mid] <= value) lo = mid; else hi = mid;
-  }
-  return lo;
-}
-
-// upper_bound_index over kNumLocalExperts entries by a whole converged warp (every lane passes the
-// same value): two rounds of 32 compares side by side instead of log2(n) dependent shared-memory
+// The largest e < kNumLocalExperts with table[e] <= value (table ascending, table[0] == 0), by a
+// whole converged warp (every lane passes the same value): two rounds of 32 compares side by side instead of log2(n) dependent shared-memory
 // reads (the binary searches of a task's lookup were 5 % of a prefill's stall samples).
 MEGAMOE_DEVICE u32 upper_bound_expert_warp(const u32* table, u32 value) {
   constexpr u32 kStride = (kNumLocalExperts + 31) / 32;  // entries per lane's coarse probe (<= 32)
