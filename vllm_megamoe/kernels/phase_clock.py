@@ -58,7 +58,7 @@ def summarize(clock: torch.Tensor) -> dict:
     if full.shape[1] >= COLUMNS:
         out["task_us"] = task_spans(full[:, :COLUMNS])
     if full.shape[1] == columns(True):
-        trace = chunk_trace(clock.detach().to("cpu")[written])
+        trace = chunk_trace(full)  # the written CTAs' rows, already on the host
         if trace:
             out["chunk_trace"] = trace
     return out
