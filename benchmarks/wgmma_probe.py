@@ -4,7 +4,7 @@ no copies, stage waits or epilogues (csrc/sm90/probe/wgmma_rate.cu).
     python -m benchmarks.wgmma_probe --out wgmma_probe.json         # one GPU, ~20 s
     python -m benchmarks.wgmma_probe --compile-only                  # no GPU: registers, spills
 
-A config is N:WG:GROUPS:MODE[:rs]: m64nNk32 wgmmas, WG consumer warpgroups of GROUPS m64
+A config is N:WG:GROUPS:MODE[:OPTIONS]: m64nNk32 wgmmas, WG consumer warpgroups of GROUPS m64
 weight-row groups each, and MODE
   0  straight accumulation (the shape's rate ceiling),
   1  a fresh partial per chunk and group, waited for and promoted (two groups lagged as in the
@@ -16,7 +16,10 @@ weight-row groups each, and MODE
 Without `:rs` the form is the fused kernel's swap-AB: weight rows on the M side, N = the token
 tile, both operands from shared memory, so the token tile is re-read by every m64 group. With
 `:rs` 64 tokens are the M side, loaded into registers once per chunk and warpgroup, and N =
-the weight rows of each warpgroup (one group). The default set holds the fused kernel's builds
+the weight rows of each warpgroup (one group). OPTIONS, joined by '+': `rs` (above), `prod` (modes
+1 / 2 with two groups: each promotion scale a weight x token product made per chunk, as the fused
+kernel's), `wait` (mode 2: a stage mbarrier per chunk, completed by thread 0 after the CTA barrier:
+the fused kernel's TMA loop without copies). The default set holds the fused kernel's builds
 (64:2:2:2, 32:2:2:2) next to their ceilings, one-group swap-AB alternatives (128:2:1:3 spills
 ~200 bytes: two 128-token partials and the accumulators fill the register file) and the
 register-A form at the fused kernel's CTA tile (64 tokens x 256 weight rows: 128:2:1:*:rs).
@@ -33,20 +36,24 @@ import re
 SOURCE, ENTRY = "sm90/probe/wgmma_rate.cu", "megamoe_wgmma_rate"
 # Dense FP8 MACs per SM and clock on H100 / H200: 1979 TFLOPS / (2 x 132 SMs x 1.83 GHz).
 FP8_MACS_PER_CLOCK = 4096
-CONFIGS = ("64:2:2:0", "64:2:2:1", "64:2:2:2", "32:2:2:0", "32:2:2:2", "64:1:2:2", "128:2:1:0", "128:2:1:2",
-           "128:2:1:3", "128:2:1:4", "64:2:1:3", "256:2:1:0", "128:2:1:0:rs", "128:2:1:2:rs", "128:2:1:3:rs",
-           "128:2:1:4:rs")
+CONFIGS = ("64:2:2:0", "64:2:2:1", "64:2:2:2", "64:2:2:2:prod", "64:2:2:2:prod+wait", "32:2:2:0",
+           "32:2:2:2", "64:1:2:2", "128:2:1:0", "128:2:1:2", "128:2:1:3", "128:2:1:4", "64:2:1:3", "256:2:1:0",
+           "128:2:1:0:rs", "128:2:1:2:rs", "128:2:1:3:rs", "128:2:1:4:rs")
+OPTIONS = ("rs", "prod", "wait")
 
 
 def parse_config(text: str) -> dict:
-    """'64:2:2:2' -> dict(n=64, warpgroups=2, groups=2, mode=2, a_regs=False); a trailing ':rs'
-    takes the token operand from registers. Errors name the bad field."""
+    """'64:2:2:2' -> dict(n=64, warpgroups=2, groups=2, mode=2, a_regs=False, products=False,
+    stage_wait=False); a fifth field of options joined by '+' (rs, prod, wait) sets the last three.
+    Errors name the bad field."""
     parts = text.split(":")
-    a_regs = len(parts) == 5 and parts[4] == "rs"
-    if a_regs:
+    options = parts[4].split("+") if len(parts) == 5 else []
+    if len(parts) == 5:
         parts = parts[:4]
-    if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"config {text!r}: expected N:WG:GROUPS:MODE[:rs], e.g. 64:2:2:2 or 128:2:1:3:rs")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts) or not set(options) <= set(OPTIONS):
+        raise ValueError(f"config {text!r}: expected N:WG:GROUPS:MODE[:OPTIONS] with OPTIONS from {'+'.join(OPTIONS)}, "
+                         "e.g. 64:2:2:2, 128:2:1:3:rs or 64:2:2:2:prod+wait")
+    a_regs, products, stage_wait = ("rs" in options), ("prod" in options), ("wait" in options)
     n, wg, groups, mode = map(int, parts)
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"config {text!r}: N={n} must be a multiple of 8 in [8, 256]")
@@ -54,7 +61,11 @@ def parse_config(text: str) -> dict:
         raise ValueError(f"config {text!r}: WG and GROUPS must be 1 or 2, MODE 0 to 4")
     if (mode >= 3 or a_regs) and groups != 1:
         raise ValueError(f"config {text!r}: MODE 3 and 4 and the :rs form take one group per warpgroup (GROUPS=1)")
-    return dict(n=n, warpgroups=wg, groups=groups, mode=mode, a_regs=a_regs)
+    if products and (a_regs or groups != 2 or mode not in (1, 2)):
+        raise ValueError(f"config {text!r}: prod takes MODE 1 or 2 with two groups (GROUPS=2), without rs")
+    if stage_wait and (groups != 2 or mode != 2):
+        raise ValueError(f"config {text!r}: wait takes MODE 2 with two groups (GROUPS=2)")
+    return dict(n=n, warpgroups=wg, groups=groups, mode=mode, a_regs=a_regs, products=products, stage_wait=stage_wait)
 
 
 def stage_bytes(cfg: dict) -> int:
@@ -65,8 +76,9 @@ def stage_bytes(cfg: dict) -> int:
 
 
 def smem_bytes(cfg: dict, stages: int) -> int:
-    """Dynamic shared memory: the stages, 4 scale tables of max(N, 64) floats, 1 KB for the alignment."""
-    return stages * stage_bytes(cfg) + 4 * max(cfg["n"], 64) * 4 + 1024
+    """Dynamic shared memory: the stages, 4 scale tables of max(N, 64) floats, a stage mbarrier
+    each, 1 KB for the alignment."""
+    return stages * stage_bytes(cfg) + 4 * max(cfg["n"], 64) * 4 + 8 * stages + 1024
 
 
 def spec(cfg: dict, stages: int, chunks: int):
@@ -74,7 +86,8 @@ def spec(cfg: dict, stages: int, chunks: int):
     return jit.KernelSpec.make(SOURCE, ENTRY, dict(PROBE_N=cfg["n"], PROBE_WG=cfg["warpgroups"],
                                                    PROBE_GROUPS=cfg["groups"], PROBE_MODE=cfg["mode"],
                                                    PROBE_STAGES=stages, PROBE_CHUNKS=chunks,
-                                                   PROBE_A_REGS=int(cfg["a_regs"])))
+                                                   PROBE_A_REGS=int(cfg["a_regs"]), PROBE_PRODUCTS=int(cfg["products"]),
+                                                   PROBE_STAGE_WAIT=int(cfg["stage_wait"])))
 
 
 def compile_report(log: str) -> dict:
@@ -124,11 +137,11 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'config':>13} {'regs':>5} {'spill':>6} {'serial':>6} {'cycles/chunk':>13} {'MAC/clk':>8} {'of peak':>8} {'TFLOPS':>7}"
+    head = f"{'config':>18} {'regs':>5} {'spill':>6} {'serial':>6} {'cycles/chunk':>13} {'MAC/clk':>8} {'of peak':>8} {'TFLOPS':>7}"
     out = [head]
     for r in rows:
         timed = "cycles_per_chunk" in r
-        out.append(f"{r['config']:>13} {r['registers'] or '-':>5} {r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
+        out.append(f"{r['config']:>18} {r['registers'] or '-':>5} {r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
                    f"{'yes' if r['serialized'] else 'no':>6} "
                    + (f"{r['cycles_per_chunk']:>13.0f} {r['macs_per_clock']:>8.0f} {r['fraction_of_peak']:>8.2f} "
                       f"{r['tflops']:>7.0f}" if timed else f"{'-':>13} {'-':>8} {'-':>8} {'-':>7}"))

@@ -10,11 +10,16 @@ needs_nvrtc = pytest.mark.skipif(not jit.nvrtc_available(), reason="NVRTC (cuda-
 
 
 def test_configs_parse_and_bad_ones_are_named():
-    assert wp.parse_config("64:2:2:2") == dict(n=64, warpgroups=2, groups=2, mode=2, a_regs=False)
+    assert wp.parse_config("64:2:2:2") == dict(n=64, warpgroups=2, groups=2, mode=2, a_regs=False, products=False,
+                                               stage_wait=False)
     assert wp.parse_config("128:2:1:3:rs")["a_regs"] is True
+    both = wp.parse_config("64:2:2:2:prod+wait")
+    assert both["products"] and both["stage_wait"] and not both["a_regs"]
     for bad, what in (("64:2:2", "N:WG:GROUPS:MODE"), ("60:2:2:0", "multiple of 8"), ("64:3:2:0", "WG and GROUPS"),
                       ("64:2:2:5", "MODE 0 to 4"), ("128:2:2:3", "one group per warpgroup"),
-                      ("128:2:2:0:rs", "one group per warpgroup"), ("128:2:1:0:ss", "N:WG:GROUPS:MODE")):
+                      ("128:2:2:0:rs", "one group per warpgroup"), ("128:2:1:0:ss", "N:WG:GROUPS:MODE"),
+                      ("64:2:2:0:prod", "prod takes MODE 1 or 2"), ("64:2:2:1:wait", "wait takes MODE 2"),
+                      ("64:2:2:2:wait+fast", "N:WG:GROUPS:MODE")):
         with pytest.raises(ValueError, match=what):
             wp.parse_config(bad)
 
@@ -35,7 +40,8 @@ def test_compile_report_reads_ptxas():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("config", ["64:2:2:0", "64:2:2:2", "32:2:2:2", "128:2:1:2", "64:2:1:3", "128:2:1:2:rs"])
+@pytest.mark.parametrize("config", ["64:2:2:0", "64:2:2:2", "32:2:2:2", "128:2:1:2", "64:2:1:3", "128:2:1:2:rs",
+                                    "64:2:2:2:prod+wait"])
 def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
     report = wp.compile_report(jit.compile_kernel(wp.spec(wp.parse_config(config), 4, 32)).log)

@@ -23,6 +23,12 @@
 //               3: one group per warpgroup into two partials taken in turn, each chunk's promotion
 //                  lagged behind the next chunk's issue
 //               4: mode 3 plus one CTA barrier per chunk
+// PROBE_PRODUCTS 1 (modes 1 and 2, two groups, A_REGS 0): the promotion's scale per accumulator
+//               is a weight x token product made per chunk (two weight scales per thread, 32
+//               FMULs for n64), as the fused kernel's load_promote_scales does
+// PROBE_STAGE_WAIT 1 (mode 2): a stage mbarrier per stage as the TMA loop has; every chunk waits for
+//               its stage's phase, and thread 0 arrives on the stage of chunk c + S - 1 after the
+//               CTA barrier (the fused kernel's refill with ablate=tma: no copies)
 // PROBE_STAGES  stages cycled through
 // PROBE_CHUNKS  K chunks per task (the fused kernel's L1 task: hidden / 128); tasks: a launch argument
 #include "../wgmma.cuh"
@@ -30,10 +36,17 @@
 #ifndef PROBE_A_REGS
 #define PROBE_A_REGS 0
 #endif
+#ifndef PROBE_PRODUCTS
+#define PROBE_PRODUCTS 0
+#endif
+#ifndef PROBE_STAGE_WAIT
+#define PROBE_STAGE_WAIT 0
+#endif
 
 namespace megamoe::probe {
 
 constexpr bool kARegs = PROBE_A_REGS != 0;
+constexpr bool kProducts = PROBE_PRODUCTS != 0, kStageWait = PROBE_STAGE_WAIT != 0;
 constexpr u32 kN = PROBE_N, kWarpgroups = PROBE_WG, kGroups = PROBE_GROUPS, kMode = PROBE_MODE;
 constexpr u32 kStages = PROBE_STAGES, kChunks = PROBE_CHUNKS;
 constexpr u32 kRowBytes = 128;  // K bytes per chunk: one FP8 scale block
@@ -48,6 +61,8 @@ static_assert(kGroups == 1 || kGroups == 2, "PROBE_GROUPS: 1 or 2");
 static_assert(!kARegs || kGroups == 1, "PROBE_A_REGS takes one group per warpgroup");
 static_assert(kMode <= 4 && kStages >= 1 && kChunks >= 2, "PROBE_MODE 0-4, PROBE_STAGES >= 1, PROBE_CHUNKS >= 2");
 static_assert(kMode < 3 || kGroups == 1, "PROBE_MODE 3 and 4 take one group per warpgroup");
+static_assert(!kProducts || (!kARegs && kGroups == 2 && (kMode == 1 || kMode == 2)), "PROBE_PRODUCTS: modes 1 / 2, two groups");
+static_assert(!kStageWait || (kGroups == 2 && kMode == 2), "PROBE_STAGE_WAIT: mode 2 (its CTA barrier orders the arrivals)");
 static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
 
 MEGAMOE_DEVICE const u8* weight_rows(const u8* stage, u32 wg, u32 g) {
@@ -95,12 +110,21 @@ MEGAMOE_DEVICE void wait_for(float (&d)[kAccum]) {
 // PromoteScales with one weight scale). A_REGS 1: the thread's two token rows (the weight
 // scale is one value per chunk for a warpgroup's <= 128 rows, folded in).
 struct Scales {
-  float s[kARegs ? 1 : kN / 8][2];
+  float s[kARegs ? 1 : kN / 8][kProducts ? 4 : 2];
 };
 
 MEGAMOE_DEVICE void load_scales(Scales& s, const float* table, u32 chunk) {
   const float* set = table + (chunk % kScaleSets) * kScaleCols;
-  if constexpr (kARegs) {
+  if constexpr (kProducts) {  // slots [nt][0..3]: rows g, g (tokens 2 t4, + 1), rows g + 8, g + 8
+    const u32 warp = threadIdx.x / 32;
+    const float w_lo = set[warp], w_hi = set[warp + 8];
+#pragma unroll
+    for (u32 nt = 0; nt < kN / 8; ++nt) {
+      const float2 tok = *reinterpret_cast<const float2*>(set + nt * 8 + 2 * (threadIdx.x % 4));
+      s.s[nt][0] = w_lo * tok.x, s.s[nt][1] = w_lo * tok.y;
+      s.s[nt][2] = w_hi * tok.x, s.s[nt][3] = w_hi * tok.y;
+    }
+  } else if constexpr (kARegs) {
     const u32 row = (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
     s.s[0][0] = set[row];
     s.s[0][1] = set[row + 8];
@@ -117,14 +141,27 @@ MEGAMOE_DEVICE void load_scales(Scales& s, const float* table, u32 chunk) {
 MEGAMOE_DEVICE void promote(float (&acc)[kAccum], const float (&part)[kAccum], const Scales& s) {
 #pragma unroll
   for (u32 i = 0; i < kAccum; ++i)
-    acc[i] = fmaf(part[i], kARegs ? s.s[0][(i % 4) / 2] : s.s[i / 4][i % 2], acc[i]);
+    acc[i] = fmaf(part[i], kARegs ? s.s[0][(i % 4) / 2] : kProducts ? s.s[i / 4][i % 4] : s.s[i / 4][i % 2], acc[i]);
+}
+
+// PROBE_STAGE_WAIT: chunk `seq` (counted over the launch) waits for its stage's phase; after the
+// CTA barrier of chunk seq, thread 0 completes the phase of chunk seq + S - 1 (the refill's arrival).
+MEGAMOE_DEVICE void wait_stage(u64* full, u32 seq) {
+  if constexpr (kStageWait)
+    while (!mbarrier_try_wait(&full[seq % kStages], (seq / kStages) & 1)) {
+    }
+}
+MEGAMOE_DEVICE void refill_stage(u64* full, u32 seq) {
+  if constexpr (kStageWait)
+    if (threadIdx.x == 0) mbarrier_arrive(&full[(seq + kStages - 1) % kStages]);
 }
 
 // One task's K loop of kChunks chunks, fully unrolled: rolled, ptxas lost track of which group a
 // wait completes across the back edge of the two-group pattern and serialized every wgmma
 // (C7514), and the A_REGS and two-partial patterns pick their register set by the chunk's
 // parity. acc += the task.
-MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, const float* scale_table, u32 wg) {
+MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, const float* scale_table, u32 wg,
+                                u64* full, u32 seq) {
   float part0[kAccum], part1[kAccum];  // written by each group's first k step (scale-d 0)
   AFrag a[2];                           // A_REGS: chunk c's token operand in a[c % 2]
   Scales scales;
@@ -139,18 +176,22 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, c
     }
     wait_for<0>(acc[0]);
   } else if constexpr (kMode <= 2 && kGroups == 2) {
+    wait_stage(full, seq);
     issue(part0, stage_of(0), wg, 0, a[0], false);
     if constexpr (kMode == 2) __syncthreads();
+    refill_stage(full, seq);
     issue(part1, stage_of(0), wg, 1, a[0], false);
     load_scales(scales, scale_table, 0);
     wait_for<1>(part0);
     promote(acc[0], part0, scales);
 #pragma unroll
     for (u32 c = 1; c < kChunks; ++c) {
+      wait_stage(full, seq + c);
       issue(part0, stage_of(c), wg, 0, a[0], false);
       wait_for<1>(part1);  // group 1 of chunk c - 1, while group 0 of chunk c runs
       promote(acc[1], part1, scales);
       if constexpr (kMode == 2) __syncthreads();
+      refill_stage(full, seq + c);
       issue(part1, stage_of(c), wg, 1, a[0], false);
       load_scales(scales, scale_table, c);
       wait_for<1>(part0);
@@ -211,6 +252,12 @@ megamoe_wgmma_rate(unsigned long long* cycles, float* sink, int tasks) {
   extern __shared__ u8 smem_raw[];
   u8* smem = reinterpret_cast<u8*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
   float* scale_table = reinterpret_cast<float*>(smem + kStages * kStageBytes);
+  u64* full = reinterpret_cast<u64*>(scale_table + kScaleSets * kScaleCols);  // PROBE_STAGE_WAIT
+  if (kStageWait && threadIdx.x == 0) {
+    for (u32 s = 0; s < kStages; ++s) mbarrier_init(&full[s], 1);
+    fence_barrier_init();
+    for (u32 s = 0; s + 1 < kStages; ++s) mbarrier_arrive(&full[s]);  // chunks 0 .. S - 2 "landed"
+  }
   for (u32 i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x) {
     u32 h = (i + 1) * 2654435761u ^ (blockIdx.x * 40503u);
     h ^= h >> 15;
@@ -230,7 +277,7 @@ megamoe_wgmma_rate(unsigned long long* cycles, float* sink, int tasks) {
 
   const unsigned long long start = clock64();
   // acc is not zeroed between tasks (the fused kernel does): it keeps every task's promotions live.
-  for (int task = 0; task < tasks; ++task) task_k_loop(acc, smem, scale_table, wg);
+  for (int task = 0; task < tasks; ++task) task_k_loop(acc, smem, scale_table, wg, full, static_cast<u32>(task) * kChunks);
   const unsigned long long stop = clock64();
   if (threadIdx.x % 128 == 0) cycles[blockIdx.x * kWarpgroups + wg] = stop - start;
   float sum = 0.0f;
