@@ -22,7 +22,8 @@ kernel's), `wait` (mode 2: a stage mbarrier per chunk, completed by thread 0 aft
 the fused kernel's TMA loop without copies). The default set holds the fused kernel's builds
 (64:2:2:2, 32:2:2:2) next to their ceilings, one-group swap-AB alternatives (128:2:1:3 spills
 ~200 bytes: two 128-token partials and the accumulators fill the register file) and the
-register-A form at the fused kernel's CTA tile (64 tokens x 256 weight rows: 128:2:1:*:rs).
+register-A form at the fused kernel's CTA tile (64 tokens x 256 weight rows: 128:2:1:*:rs) and at
+smaller ones whose two partial sets fit the registers (64:2:1:3:rs, 96:2:1:3:rs / 4:rs).
 Each row gives SM cycles per K chunk (128 K values), MACs per SM and cycle, and that as a
 fraction of the FP8 peak.
 """
@@ -38,7 +39,8 @@ SOURCE, ENTRY = "sm90/probe/wgmma_rate.cu", "megamoe_wgmma_rate"
 FP8_MACS_PER_CLOCK = 4096
 CONFIGS = ("64:2:2:0", "64:2:2:1", "64:2:2:2", "64:2:2:2:prod", "64:2:2:2:prod+wait", "32:2:2:0",
            "32:2:2:2", "64:1:2:2", "128:2:1:0", "128:2:1:2", "128:2:1:3", "128:2:1:4", "64:2:1:3", "256:2:1:0",
-           "128:2:1:0:rs", "128:2:1:2:rs", "128:2:1:3:rs", "128:2:1:4:rs")
+           "128:2:1:0:rs", "128:2:1:2:rs", "128:2:1:3:rs", "128:2:1:4:rs", "64:2:1:3:rs", "96:2:1:3:rs",
+           "96:2:1:4:rs")
 OPTIONS = ("rs", "prod", "wait")
 
 

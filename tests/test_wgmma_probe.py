@@ -41,7 +41,7 @@ def test_compile_report_reads_ptxas():
 
 @needs_nvrtc
 @pytest.mark.parametrize("config", ["64:2:2:0", "64:2:2:2", "32:2:2:2", "128:2:1:2", "64:2:1:3", "128:2:1:2:rs",
-                                    "64:2:2:2:prod+wait"])
+                                    "96:2:1:3:rs", "64:2:2:2:prod+wait"])
 def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
     report = wp.compile_report(jit.compile_kernel(wp.spec(wp.parse_config(config), 4, 32)).log)
