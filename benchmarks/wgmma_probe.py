@@ -16,7 +16,8 @@ weight-row groups each, and MODE
 Without `:rs` the form is the fused kernel's swap-AB: weight rows on the M side, N = the token
 tile, both operands from shared memory, so the token tile is re-read by every m64 group. With
 `:rs` 64 tokens are the M side, loaded into registers once per chunk and warpgroup, and N =
-the weight rows of each warpgroup (one group). OPTIONS, joined by '+': `rs` (above), `prod` (modes
+the weight rows of each group (GROUPS nN groups per warpgroup on the same token registers; with
+two, 64:2:2:2:rs is the fused kernel's CTA tile and lagged pattern with the tokens in registers). OPTIONS, joined by '+': `rs` (above), `prod` (modes
 1 / 2 with two groups: each promotion scale a weight x token product made per chunk, as the fused
 kernel's), `wait` (mode 2: a stage mbarrier per chunk, completed by thread 0 after the CTA barrier:
 the fused kernel's TMA loop without copies). The default set holds the fused kernel's builds
@@ -40,7 +41,7 @@ FP8_MACS_PER_CLOCK = 4096
 CONFIGS = ("64:2:2:0", "64:2:2:1", "64:2:2:2", "64:2:2:2:prod", "64:2:2:2:prod+wait", "32:2:2:0",
            "32:2:2:2", "64:1:2:2", "128:2:1:0", "128:2:1:2", "128:2:1:3", "128:2:1:4", "64:2:1:3", "256:2:1:0",
            "128:2:1:0:rs", "128:2:1:2:rs", "128:2:1:3:rs", "128:2:1:4:rs", "64:2:1:3:rs", "96:2:1:3:rs",
-           "96:2:1:4:rs")
+           "96:2:1:4:rs", "64:2:2:2:rs")
 OPTIONS = ("rs", "prod", "wait")
 
 
@@ -61,8 +62,8 @@ def parse_config(text: str) -> dict:
         raise ValueError(f"config {text!r}: N={n} must be a multiple of 8 in [8, 256]")
     if wg not in (1, 2) or groups not in (1, 2) or mode not in (0, 1, 2, 3, 4):
         raise ValueError(f"config {text!r}: WG and GROUPS must be 1 or 2, MODE 0 to 4")
-    if (mode >= 3 or a_regs) and groups != 1:
-        raise ValueError(f"config {text!r}: MODE 3 and 4 and the :rs form take one group per warpgroup (GROUPS=1)")
+    if mode >= 3 and groups != 1:
+        raise ValueError(f"config {text!r}: MODE 3 and 4 take one group per warpgroup (GROUPS=1)")
     if products and (a_regs or groups != 2 or mode not in (1, 2)):
         raise ValueError(f"config {text!r}: prod takes MODE 1 or 2 with two groups (GROUPS=2), without rs")
     if stage_wait and (groups != 2 or mode != 2):
@@ -73,7 +74,7 @@ def parse_config(text: str) -> dict:
 def stage_bytes(cfg: dict) -> int:
     """Weight rows and token rows of one stage, 128 bytes each (wgmma_rate.cu kStageBytes)."""
     if cfg["a_regs"]:
-        return (cfg["n"] * cfg["warpgroups"] + 64) * 128
+        return (cfg["n"] * cfg["groups"] * cfg["warpgroups"] + 64) * 128
     return (64 * cfg["groups"] * cfg["warpgroups"] + cfg["n"]) * 128
 
 
@@ -103,7 +104,7 @@ def compile_report(log: str) -> dict:
 def macs_per_chunk(cfg: dict) -> int:
     """MACs of one K chunk of the CTA: weight rows x token columns x 128."""
     if cfg["a_regs"]:
-        return cfg["n"] * cfg["warpgroups"] * 64 * 128
+        return cfg["n"] * cfg["groups"] * cfg["warpgroups"] * 64 * 128
     return 64 * cfg["groups"] * cfg["warpgroups"] * cfg["n"] * 128
 
 

@@ -17,7 +17,7 @@ def test_configs_parse_and_bad_ones_are_named():
     assert both["products"] and both["stage_wait"] and not both["a_regs"]
     for bad, what in (("64:2:2", "N:WG:GROUPS:MODE"), ("60:2:2:0", "multiple of 8"), ("64:3:2:0", "WG and GROUPS"),
                       ("64:2:2:5", "MODE 0 to 4"), ("128:2:2:3", "one group per warpgroup"),
-                      ("128:2:2:0:rs", "one group per warpgroup"), ("128:2:1:0:ss", "N:WG:GROUPS:MODE"),
+                      ("128:2:2:3:rs", "one group per warpgroup"), ("128:2:1:0:ss", "N:WG:GROUPS:MODE"),
                       ("64:2:2:0:prod", "prod takes MODE 1 or 2"), ("64:2:2:1:wait", "wait takes MODE 2"),
                       ("64:2:2:2:wait+fast", "N:WG:GROUPS:MODE")):
         with pytest.raises(ValueError, match=what):
@@ -28,8 +28,9 @@ def test_work_and_memory_per_chunk():
     cfg = wp.parse_config("64:2:2:2")  # the fused kernel's 64-token FP8 build: 256 weight rows x 64 tokens
     assert wp.macs_per_chunk(cfg) == 256 * 64 * 128
     assert wp.stage_bytes(cfg) == (256 + 64) * 128 and wp.smem_bytes(cfg, 4) <= 227 * 1024
-    rs = wp.parse_config("128:2:1:2:rs")  # the same CTA tile with the tokens on the M side
-    assert wp.macs_per_chunk(rs) == wp.macs_per_chunk(cfg) and wp.stage_bytes(rs) == wp.stage_bytes(cfg)
+    for same_tile in ("128:2:1:2:rs", "64:2:2:2:rs"):  # the same CTA tile with the tokens on the M side
+        rs = wp.parse_config(same_tile)
+        assert wp.macs_per_chunk(rs) == wp.macs_per_chunk(cfg) and wp.stage_bytes(rs) == wp.stage_bytes(cfg)
 
 
 def test_compile_report_reads_ptxas():
@@ -41,7 +42,7 @@ def test_compile_report_reads_ptxas():
 
 @needs_nvrtc
 @pytest.mark.parametrize("config", ["64:2:2:0", "64:2:2:2", "32:2:2:2", "128:2:1:2", "64:2:1:3", "128:2:1:2:rs",
-                                    "96:2:1:3:rs", "64:2:2:2:prod+wait"])
+                                    "96:2:1:3:rs", "64:2:2:2:rs", "64:2:2:2:prod+wait"])
 def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
     report = wp.compile_report(jit.compile_kernel(wp.spec(wp.parse_config(config), 4, 32)).log)

@@ -10,10 +10,11 @@
 //                  registers every chunk (16-byte shared loads; the rate does not depend on the
 //                  fragment layout, so it is not honoured); weight rows the N side (descriptors)
 // PROBE_N       the wgmma N: token columns (A_REGS 0, the fused kernel's token tile) or weight
-//               rows per warpgroup (A_REGS 1)
+//               rows per group (A_REGS 1)
 // PROBE_WG      consumer warpgroups (the fused kernel: 2)
-// PROBE_GROUPS  m64 weight-row groups per warpgroup and chunk (A_REGS 0; the fused kernel: 2, a
-//               warpgroup covers 64 x PROBE_GROUPS rows); 1 with A_REGS 1
+// PROBE_GROUPS  weight-row groups per warpgroup and chunk: m64 groups (A_REGS 0; the fused kernel:
+//               2, a warpgroup covers 64 x PROBE_GROUPS rows) or nN groups (A_REGS 1, both groups
+//               on the chunk's token registers)
 // PROBE_MODE    0: each group accumulates straight through all chunks (one wait per chunk for
 //                  the group before last): the rate ceiling of the shape
 //               1: each group into a fresh partial per chunk, waited for and promoted (one FFMA
@@ -50,7 +51,7 @@ constexpr bool kProducts = PROBE_PRODUCTS != 0, kStageWait = PROBE_STAGE_WAIT !=
 constexpr u32 kN = PROBE_N, kWarpgroups = PROBE_WG, kGroups = PROBE_GROUPS, kMode = PROBE_MODE;
 constexpr u32 kStages = PROBE_STAGES, kChunks = PROBE_CHUNKS;
 constexpr u32 kRowBytes = 128;  // K bytes per chunk: one FP8 scale block
-constexpr u32 kWeightRows = kARegs ? kN * kWarpgroups : 64 * kGroups * kWarpgroups;
+constexpr u32 kWeightRows = (kARegs ? kN : 64) * kGroups * kWarpgroups;
 constexpr u32 kTokenRows = kARegs ? 64 : kN;
 constexpr u32 kStageBytes = (kWeightRows + kTokenRows) * kRowBytes;
 constexpr u32 kAccum = kN / 2;
@@ -58,7 +59,6 @@ constexpr u32 kScaleSets = 4;  // per-chunk scale tables cycled through (values 
 constexpr u32 kScaleCols = kN > 64 ? kN : 64;  // a table's entries: token columns or rows
 static_assert(kN % 8 == 0 && kN <= 256, "PROBE_N: a multiple of 8 up to 256");
 static_assert(kGroups == 1 || kGroups == 2, "PROBE_GROUPS: 1 or 2");
-static_assert(!kARegs || kGroups == 1, "PROBE_A_REGS takes one group per warpgroup");
 static_assert(kMode <= 4 && kStages >= 1 && kChunks >= 2, "PROBE_MODE 0-4, PROBE_STAGES >= 1, PROBE_CHUNKS >= 2");
 static_assert(kMode < 3 || kGroups == 1, "PROBE_MODE 3 and 4 take one group per warpgroup");
 static_assert(!kProducts || (!kARegs && kGroups == 2 && (kMode == 1 || kMode == 2)), "PROBE_PRODUCTS: modes 1 / 2, two groups");
@@ -66,7 +66,7 @@ static_assert(!kStageWait || (kGroups == 2 && kMode == 2), "PROBE_STAGE_WAIT: mo
 static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
 
 MEGAMOE_DEVICE const u8* weight_rows(const u8* stage, u32 wg, u32 g) {
-  return stage + (kARegs ? wg * kN : (wg * kGroups + g) * 64) * kRowBytes;
+  return stage + (wg * kGroups + g) * (kARegs ? kN : 64) * kRowBytes;
 }
 MEGAMOE_DEVICE const u8* token_rows(const u8* stage) { return stage + kWeightRows * kRowBytes; }
 
@@ -176,7 +176,10 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, c
     }
     wait_for<0>(acc[0]);
   } else if constexpr (kMode <= 2 && kGroups == 2) {
+    // A_REGS: chunk c's tokens in a[c % 2], loaded before its first group; the buffer last fed
+    // g1(c - 2), which chunk c - 1 waited for.
     wait_stage(full, seq);
+    if constexpr (kARegs) load_a(a[0], stage_of(0));
     issue(part0, stage_of(0), wg, 0, a[0], false);
     if constexpr (kMode == 2) __syncthreads();
     refill_stage(full, seq);
@@ -187,12 +190,13 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, c
 #pragma unroll
     for (u32 c = 1; c < kChunks; ++c) {
       wait_stage(full, seq + c);
-      issue(part0, stage_of(c), wg, 0, a[0], false);
+      if constexpr (kARegs) load_a(a[c % 2], stage_of(c));
+      issue(part0, stage_of(c), wg, 0, a[c % 2], false);
       wait_for<1>(part1);  // group 1 of chunk c - 1, while group 0 of chunk c runs
       promote(acc[1], part1, scales);
       if constexpr (kMode == 2) __syncthreads();
       refill_stage(full, seq + c);
-      issue(part1, stage_of(c), wg, 1, a[0], false);
+      issue(part1, stage_of(c), wg, 1, a[c % 2], false);
       load_scales(scales, scale_table, c);
       wait_for<1>(part0);
       promote(acc[0], part0, scales);
