@@ -47,3 +47,14 @@ def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
     report = wp.compile_report(jit.compile_kernel(wp.spec(wp.parse_config(config), 4, 32)).log)
     assert report["serialized"] is False and report["spill_bytes"] == 0
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("n", [64, 96])
+def test_register_a_check_kernel_compiles(n, tmp_path, monkeypatch):
+    """The GPU check of the register-A wgmma (tests/gpu/test_wgmma_rs.py) and its fragment loader
+    compile for sm_90a without spills."""
+    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
+    log = jit.compile_kernel(jit.KernelSpec.make("sm90/probe/wgmma_rs_check.cu", "megamoe_wgmma_rs_check",
+                                                 dict(CHECK_N=n))).log
+    assert wp.compile_report(log)["spill_bytes"] in (0, None)

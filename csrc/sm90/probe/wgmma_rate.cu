@@ -7,8 +7,8 @@
 // PROBE_A_REGS  0: the fused kernel's swap-AB form: weight rows are the M side (A, descriptors),
 //                  the token tile the N side (B, descriptors), re-read by every m64 group
 //               1: tokens are the M side, 64 rows shared by the warpgroups and loaded into
-//                  registers every chunk (16-byte shared loads; the rate does not depend on the
-//                  fragment layout, so it is not honoured); weight rows the N side (descriptors)
+//                  registers every chunk (load_a_fragment_fp8_sw128: one ldmatrix.x4 per k-step,
+//                  checked by tests/gpu/test_wgmma_rs.py); weight rows the N side (descriptors)
 // PROBE_N       the wgmma N: token columns (A_REGS 0, the fused kernel's token tile) or weight
 //               rows per group (A_REGS 1)
 // PROBE_WG      consumer warpgroups (the fused kernel: 2)
@@ -76,12 +76,8 @@ struct AFrag {
 };
 
 MEGAMOE_DEVICE void load_a(AFrag& a, const u8* stage) {
-  const u8* rows = token_rows(stage) + (threadIdx.x % 128) * 16;
 #pragma unroll
-  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) {
-    const uint4 v = *reinterpret_cast<const uint4*>(rows + kk * 64 * 32);
-    a.r[kk][0] = v.x, a.r[kk][1] = v.y, a.r[kk][2] = v.z, a.r[kk][3] = v.w;
-  }
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) load_a_fragment_fp8_sw128(a.r[kk], smem_addr(token_rows(stage)), kk);
 }
 
 // One m64nN group of a staged chunk into d, committed: weight-row group g of warpgroup wg.

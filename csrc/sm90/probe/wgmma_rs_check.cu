@@ -1,0 +1,58 @@
+// Checks the FP8 wgmma with its A operand in registers, the building block of a K loop that keeps
+// the token tile in registers (docs/kernel_notes.md v11): one warpgroup computes
+// D[64][N] = A[64][128] x B[N][128]^T (e4m3, FP32 accumulation) from tiles stored the way TMA
+// stores them (128-byte rows, 16-byte segment s of row r at s ^ (r % 8)), A loaded into registers
+// per k-step by load_a_fragment_fp8_sw128 (ldmatrix), B read through a descriptor
+// (tests/gpu/test_wgmma_rs.py compares D with a float32 reference).
+//
+// CHECK_N  the wgmma N: rows of B and columns of D (a multiple of 8 up to 256)
+#include "../wgmma.cuh"
+
+#ifndef CHECK_N
+#define CHECK_N 64
+#endif
+
+namespace megamoe::probe {
+
+constexpr u32 kN = CHECK_N;
+constexpr u32 kRowBytes = 128, kRowsA = 64;
+static_assert(kN % 8 == 0 && kN <= 256, "CHECK_N: a multiple of 8 up to 256");
+
+}  // namespace megamoe::probe
+
+using namespace megamoe;
+using namespace megamoe::probe;
+
+// a: [64][128] bytes, b: [kN][128] bytes (row-major e4m3), d: [64][kN] float. One CTA of 128 threads.
+extern "C" __global__ void __launch_bounds__(128, 1)
+megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float* __restrict__ d) {
+  extern __shared__ u8 smem_raw[];
+  u8* smem = reinterpret_cast<u8*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+  // Both tiles in the TMA's 128-byte swizzle, A first (8 KB: B stays 1024-byte aligned).
+  for (u32 i = threadIdx.x; i < (kRowsA + kN) * 8; i += blockDim.x) {
+    const u32 row = i / 8, segment = i % 8;
+    const u8* src = row < kRowsA ? a + row * kRowBytes : b + (row - kRowsA) * kRowBytes;
+    *reinterpret_cast<uint4*>(smem + row * kRowBytes + (segment ^ (row % 8)) * 16) =
+        *reinterpret_cast<const uint4*>(src + segment * 16);
+  }
+  fence_proxy_async_shared();  // B is read through the async proxy
+  __syncthreads();
+
+  u32 frag[kRowBytes / 32][4];
+#pragma unroll
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) load_a_fragment_fp8_sw128(frag[kk], smem_addr(smem), kk);
+  const u64 desc_b = make_smem_desc_k_major_sw128(smem + kRowsA * kRowBytes);
+  float acc[kN / 2];
+#pragma unroll
+  for (u32 i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
+  fence_accumulators(acc);
+  wgmma_fence();  // also orders the fragments' loads before the wgmmas that read them
+#pragma unroll
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc, kk > 0);
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  fence_accumulators(acc);
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (u32 i = 0; i < kN / 2; ++i) d[accum_row(static_cast<int>(i), warp, lane) * kN + accum_col(static_cast<int>(i), lane)] = acc[i];
+}
