@@ -17,10 +17,11 @@ Without `:rs` the form is the fused kernel's swap-AB: weight rows on the M side,
 tile, both operands from shared memory, so the token tile is re-read by every m64 group. With
 `:rs` 64 tokens are the M side, loaded into registers once per chunk and warpgroup, and N =
 the weight rows of each group (GROUPS nN groups per warpgroup on the same token registers; with
-two, 64:2:2:2:rs is the fused kernel's CTA tile and lagged pattern with the tokens in registers). OPTIONS, joined by '+': `rs` (above), `prod` (modes
-1 / 2 with two groups: each promotion scale a weight x token product made per chunk, as the fused
-kernel's), `wait` (mode 2: a stage mbarrier per chunk, completed by thread 0 after the CTA barrier:
-the fused kernel's TMA loop without copies). The default set holds the fused kernel's builds
+two, 64:2:2:2:rs is the fused kernel's CTA tile and lagged pattern with the tokens in registers).
+OPTIONS, joined by '+': `rs` (above), `prod` (modes 1 / 2 with two groups: each promotion scale a
+weight x token product made per chunk, as the fused kernel's), `wait` (mode 2: a stage mbarrier
+per chunk, completed by thread 0 after the CTA barrier: the fused kernel's TMA loop without
+copies). The default set holds the fused kernel's builds
 (64:2:2:2, 32:2:2:2) next to their ceilings, one-group swap-AB alternatives (128:2:1:3 spills
 ~200 bytes: two 128-token partials and the accumulators fill the register file) and the
 register-A form at the fused kernel's CTA tile (64 tokens x 256 weight rows: 128:2:1:*:rs) and at
