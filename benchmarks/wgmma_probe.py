@@ -26,8 +26,9 @@ copies). The default set holds the fused kernel's builds
 ~200 bytes: two 128-token partials and the accumulators fill the register file) and the
 register-A form at the fused kernel's CTA tile (64 tokens x 256 weight rows: 128:2:1:*:rs) and at
 smaller ones whose two partial sets fit the registers (64:2:1:3:rs, 96:2:1:3:rs / 4:rs).
-Each row gives SM cycles per K chunk (128 K values), MACs per SM and cycle, and that as a
-fraction of the FP8 peak.
+Each row gives the modelled shared-memory operand reads per K chunk (smem_reads_per_chunk), SM
+cycles per K chunk (128 K values), MACs per SM and cycle, that as a fraction of the FP8 peak, and
+the shared-memory read rate it implies (an SM gives 128 B per cycle).
 """
 from __future__ import annotations
 
@@ -109,6 +110,17 @@ def macs_per_chunk(cfg: dict) -> int:
     return 64 * cfg["groups"] * cfg["warpgroups"] * cfg["n"] * 128
 
 
+def smem_reads_per_chunk(cfg: dict) -> int:
+    """Operand bytes one K chunk reads from shared memory (a model: each wgmma group reads its
+    descriptor operands once). Swap-AB: every m64 group reads its 64 weight rows and the whole
+    token tile; register-A: each warpgroup loads the 64 token rows once, each group its N weight
+    rows. An SM's shared memory gives 128 bytes per cycle, which straight 64:2:2:0 reaches."""
+    groups = cfg["groups"] * cfg["warpgroups"]
+    if cfg["a_regs"]:
+        return cfg["warpgroups"] * 64 * 128 + groups * cfg["n"] * 128
+    return groups * (64 + cfg["n"]) * 128
+
+
 def run(cfg: dict, stages: int, chunks: int, tasks: int) -> dict:
     import torch
 
@@ -135,20 +147,23 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int) -> dict:
     ms = start.elapsed_time(stop)
     macs = macs_per_chunk(cfg)
     return dict(cycles_per_chunk=per_chunk, macs_per_clock=macs / per_chunk,
+                smem_bytes_per_clock=smem_reads_per_chunk(cfg) / per_chunk,
                 fraction_of_peak=macs / per_chunk / FP8_MACS_PER_CLOCK,
                 tflops=2 * macs * chunks * tasks * sms / (ms * 1e-3) / 1e12, sms=sms, ms=ms,
                 sink_finite=bool(torch.isfinite(sink).all()))
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'config':>18} {'regs':>5} {'spill':>6} {'serial':>6} {'cycles/chunk':>13} {'MAC/clk':>8} {'of peak':>8} {'TFLOPS':>7}"
+    head = (f"{'config':>18} {'regs':>5} {'spill':>6} {'serial':>6} {'smem KB':>7} {'cycles/chunk':>13} {'MAC/clk':>8} "
+            f"{'of peak':>8} {'TFLOPS':>7} {'smem B/clk':>10}")
     out = [head]
     for r in rows:
         timed = "cycles_per_chunk" in r
         out.append(f"{r['config']:>18} {r['registers'] or '-':>5} {r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
-                   f"{'yes' if r['serialized'] else 'no':>6} "
+                   f"{'yes' if r['serialized'] else 'no':>6} {smem_reads_per_chunk(r) / 1024:>7.0f} "
                    + (f"{r['cycles_per_chunk']:>13.0f} {r['macs_per_clock']:>8.0f} {r['fraction_of_peak']:>8.2f} "
-                      f"{r['tflops']:>7.0f}" if timed else f"{'-':>13} {'-':>8} {'-':>8} {'-':>7}"))
+                      f"{r['tflops']:>7.0f} {r['smem_bytes_per_clock']:>10.0f}" if timed
+                      else f"{'-':>13} {'-':>8} {'-':>8} {'-':>7} {'-':>10}"))
     return "\n".join(out)
 
 

@@ -31,6 +31,10 @@ def test_work_and_memory_per_chunk():
     for same_tile in ("128:2:1:2:rs", "64:2:2:2:rs"):  # the same CTA tile with the tokens on the M side
         rs = wp.parse_config(same_tile)
         assert wp.macs_per_chunk(rs) == wp.macs_per_chunk(cfg) and wp.stage_bytes(rs) == wp.stage_bytes(cfg)
+        # tokens loaded once per warpgroup (2 x 8 KB) instead of once per m64 group (4 x 8 KB)
+        assert wp.smem_reads_per_chunk(rs) == 48 * 1024
+    assert wp.smem_reads_per_chunk(cfg) == 64 * 1024
+    assert wp.smem_reads_per_chunk(wp.parse_config("96:2:1:3:rs")) == (2 * 64 + 2 * 96) * 128
 
 
 def test_compile_report_reads_ptxas():
