@@ -136,8 +136,8 @@ case "${STEP:-verify}" in
             # register-A forms with it (two partial sets: the next prefill K loop's candidates)
     timeout 120 python3 -m pytest $T tests/gpu/test_wgmma_rs.py > "$OUT/wgmma_rs_tests.log" 2>&1
     tail -2 "$OUT/wgmma_rs_tests.log"
-    timeout 200 python3 -m benchmarks.wgmma_probe --configs ${CONFIGS:-64:2:2:2 64:2:2:2:rs 128:2:1:2:rs 64:2:1:3:rs \
-      96:2:1:3:rs 96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
+    timeout 200 python3 -m benchmarks.wgmma_probe --configs ${CONFIGS:-64:2:2:0 64:2:2:2 64:2:2:0:rs 64:2:2:2:rs \
+      128:2:1:2:rs 64:2:1:3:rs 96:2:1:3:rs 96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
   split)    # ~9 min: the split-K branch's tests (split cases, multi-GPU FP8, back-to-back), memcheck and
             # racecheck (sanitize_probe.py has a split case), then 1 / 8 tokens per rank with split-K on / off
     timeout 260 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \
