@@ -21,7 +21,8 @@ two, 64:2:2:2:rs is the fused kernel's CTA tile and lagged pattern with the toke
 OPTIONS, joined by '+': `rs` (above), `prod` (modes 1 / 2 with two groups: each promotion scale a
 weight x token product made per chunk, as the fused kernel's), `wait` (mode 2: a stage mbarrier
 per chunk, completed by thread 0 after the CTA barrier: the fused kernel's TMA loop without
-copies). The default set holds the fused kernel's builds
+copies), `copy` (with `wait`: that refill is a real bulk copy of the stage's bytes from an
+L2-resident global buffer, as the TMA refill). The default set holds the fused kernel's builds
 (64:2:2:2, 32:2:2:2) next to their ceilings, one-group swap-AB alternatives (128:2:1:3 spills
 ~200 bytes: two 128-token partials and the accumulators fill the register file) and the
 register-A form at the fused kernel's CTA tile (64 tokens x 256 weight rows: 128:2:1:*:rs) and at
@@ -43,13 +44,15 @@ FP8_MACS_PER_CLOCK = 4096
 CONFIGS = ("64:2:2:0", "64:2:2:1", "64:2:2:2", "64:2:2:2:prod", "64:2:2:2:prod+wait", "32:2:2:0",
            "32:2:2:2", "64:1:2:2", "128:2:1:0", "128:2:1:2", "128:2:1:3", "128:2:1:4", "64:2:1:3", "256:2:1:0",
            "128:2:1:0:rs", "128:2:1:2:rs", "128:2:1:3:rs", "128:2:1:4:rs", "64:2:1:3:rs", "96:2:1:3:rs",
-           "96:2:1:4:rs", "64:2:2:2:rs")
-OPTIONS = ("rs", "prod", "wait")
+           "96:2:1:4:rs", "64:2:2:2:rs", "64:2:2:2:prod+wait+copy")
+OPTIONS = ("rs", "prod", "wait", "copy")
+COPY_SOURCES = 8  # stages' worth of bytes the copies cycle through (wgmma_rate.cu kCopySources)
 
 
 def parse_config(text: str) -> dict:
     """'64:2:2:2' -> dict(n=64, warpgroups=2, groups=2, mode=2, a_regs=False, products=False,
-    stage_wait=False); a fifth field of options joined by '+' (rs, prod, wait) sets the last three.
+    stage_wait=False, copy=False); a fifth field of options joined by '+' (rs, prod, wait, copy)
+    sets the last four.
     Errors name the bad field."""
     parts = text.split(":")
     options = parts[4].split("+") if len(parts) == 5 else []
@@ -58,7 +61,7 @@ def parse_config(text: str) -> dict:
     if len(parts) != 4 or not all(p.isdigit() for p in parts) or not set(options) <= set(OPTIONS):
         raise ValueError(f"config {text!r}: expected N:WG:GROUPS:MODE[:OPTIONS] with OPTIONS from {'+'.join(OPTIONS)}, "
                          "e.g. 64:2:2:2, 128:2:1:3:rs or 64:2:2:2:prod+wait")
-    a_regs, products, stage_wait = ("rs" in options), ("prod" in options), ("wait" in options)
+    a_regs, products, stage_wait, copy = (name in options for name in OPTIONS)
     n, wg, groups, mode = map(int, parts)
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"config {text!r}: N={n} must be a multiple of 8 in [8, 256]")
@@ -70,7 +73,10 @@ def parse_config(text: str) -> dict:
         raise ValueError(f"config {text!r}: prod takes MODE 1 or 2 with two groups (GROUPS=2), without rs")
     if stage_wait and (groups != 2 or mode != 2):
         raise ValueError(f"config {text!r}: wait takes MODE 2 with two groups (GROUPS=2)")
-    return dict(n=n, warpgroups=wg, groups=groups, mode=mode, a_regs=a_regs, products=products, stage_wait=stage_wait)
+    if copy and not stage_wait:
+        raise ValueError(f"config {text!r}: copy refills through the stage waits: add wait (e.g. 64:2:2:2:wait+copy)")
+    return dict(n=n, warpgroups=wg, groups=groups, mode=mode, a_regs=a_regs, products=products, stage_wait=stage_wait,
+                copy=copy)
 
 
 def stage_bytes(cfg: dict) -> int:
@@ -92,7 +98,8 @@ def spec(cfg: dict, stages: int, chunks: int):
                                                    PROBE_GROUPS=cfg["groups"], PROBE_MODE=cfg["mode"],
                                                    PROBE_STAGES=stages, PROBE_CHUNKS=chunks,
                                                    PROBE_A_REGS=int(cfg["a_regs"]), PROBE_PRODUCTS=int(cfg["products"]),
-                                                   PROBE_STAGE_WAIT=int(cfg["stage_wait"])))
+                                                   PROBE_STAGE_WAIT=int(cfg["stage_wait"]),
+                                                   PROBE_COPY=int(cfg.get("copy", False))))
 
 
 def compile_report(log: str) -> dict:
@@ -132,9 +139,12 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int) -> dict:
     threads = 128 * cfg["warpgroups"]
     cycles = torch.zeros(sms * cfg["warpgroups"], dtype=torch.int64, device="cuda")
     sink = torch.empty(sms * threads, dtype=torch.float32, device="cuda")
+    # the copies' source: finite e4m3 bytes (top exponent bit clear), L2-resident (a few stages)
+    copy_src = torch.randint(0, 256, (COPY_SOURCES * stage_bytes(cfg),), dtype=torch.uint8, device="cuda") & 0xBF
 
     def args(n_tasks: int) -> list:
-        return [ctypes.c_void_p(cycles.data_ptr()), ctypes.c_void_p(sink.data_ptr()), ctypes.c_int32(n_tasks)]
+        return [ctypes.c_void_p(cycles.data_ptr()), ctypes.c_void_p(sink.data_ptr()), ctypes.c_int32(n_tasks),
+                ctypes.c_void_p(copy_src.data_ptr())]
 
     stream = torch.cuda.current_stream().cuda_stream
     kernel.launch(sms, threads, smem_bytes(cfg, stages), stream, args(max(1, tasks // 10)))  # warm-up
@@ -154,12 +164,12 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'config':>18} {'regs':>5} {'spill':>6} {'serial':>6} {'smem KB':>7} {'cycles/chunk':>13} {'MAC/clk':>8} "
+    head = (f"{'config':>23} {'regs':>5} {'spill':>6} {'serial':>6} {'smem KB':>7} {'cycles/chunk':>13} {'MAC/clk':>8} "
             f"{'of peak':>8} {'TFLOPS':>7} {'smem B/clk':>10}")
     out = [head]
     for r in rows:
         timed = "cycles_per_chunk" in r
-        out.append(f"{r['config']:>18} {r['registers'] or '-':>5} {r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
+        out.append(f"{r['config']:>23} {r['registers'] or '-':>5} {r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
                    f"{'yes' if r['serialized'] else 'no':>6} {smem_reads_per_chunk(r) / 1024:>7.0f} "
                    + (f"{r['cycles_per_chunk']:>13.0f} {r['macs_per_clock']:>8.0f} {r['fraction_of_peak']:>8.2f} "
                       f"{r['tflops']:>7.0f} {r['smem_bytes_per_clock']:>10.0f}" if timed

@@ -22,7 +22,8 @@
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
-#                register-A forms with the real fragment loader, one GPU
+#                register-A forms with the real fragment loader and the fused pattern with real
+#                refill copies (prod+wait+copy), one GPU
 #   STEP=split   split-K (branch next/split-k-decode checked out): its kernel tests, both sanitizers,
 #                then decode probes with split-K on and off
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
@@ -136,8 +137,8 @@ case "${STEP:-verify}" in
             # register-A forms with it (two partial sets: the next prefill K loop's candidates)
     timeout 120 python3 -m pytest $T tests/gpu/test_wgmma_rs.py > "$OUT/wgmma_rs_tests.log" 2>&1
     tail -2 "$OUT/wgmma_rs_tests.log"
-    timeout 200 python3 -m benchmarks.wgmma_probe --configs ${CONFIGS:-64:2:2:0 64:2:2:2 64:2:2:0:rs 64:2:2:2:rs \
-      128:2:1:2:rs 64:2:1:3:rs 96:2:1:3:rs 96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
+    timeout 200 python3 -m benchmarks.wgmma_probe --configs ${CONFIGS:-64:2:2:0 64:2:2:2 64:2:2:2:prod+wait 64:2:2:2:prod+wait+copy \
+      64:2:2:0:rs 64:2:2:2:rs 128:2:1:2:rs 64:2:1:3:rs 96:2:1:3:rs 96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
   split)    # ~9 min: the split-K branch's tests (split cases, multi-GPU FP8, back-to-back), memcheck and
             # racecheck (sanitize_probe.py has a split case), then 1 / 8 tokens per rank with split-K on / off
     timeout 260 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \

@@ -11,7 +11,8 @@ needs_nvrtc = pytest.mark.skipif(not jit.nvrtc_available(), reason="NVRTC (cuda-
 
 def test_configs_parse_and_bad_ones_are_named():
     assert wp.parse_config("64:2:2:2") == dict(n=64, warpgroups=2, groups=2, mode=2, a_regs=False, products=False,
-                                               stage_wait=False)
+                                               stage_wait=False, copy=False)
+    assert wp.parse_config("64:2:2:2:prod+wait+copy")["copy"] is True
     assert wp.parse_config("128:2:1:3:rs")["a_regs"] is True
     both = wp.parse_config("64:2:2:2:prod+wait")
     assert both["products"] and both["stage_wait"] and not both["a_regs"]
@@ -19,7 +20,7 @@ def test_configs_parse_and_bad_ones_are_named():
                       ("64:2:2:5", "MODE 0 to 4"), ("128:2:2:3", "one group per warpgroup"),
                       ("128:2:2:3:rs", "one group per warpgroup"), ("128:2:1:0:ss", "N:WG:GROUPS:MODE"),
                       ("64:2:2:0:prod", "prod takes MODE 1 or 2"), ("64:2:2:1:wait", "wait takes MODE 2"),
-                      ("64:2:2:2:wait+fast", "N:WG:GROUPS:MODE")):
+                      ("64:2:2:2:wait+fast", "N:WG:GROUPS:MODE"), ("64:2:2:2:copy", "add wait")):
         with pytest.raises(ValueError, match=what):
             wp.parse_config(bad)
 
@@ -46,7 +47,7 @@ def test_compile_report_reads_ptxas():
 
 @needs_nvrtc
 @pytest.mark.parametrize("config", ["64:2:2:0", "64:2:2:2", "32:2:2:2", "128:2:1:2", "64:2:1:3", "128:2:1:2:rs",
-                                    "96:2:1:3:rs", "64:2:2:2:rs", "64:2:2:2:prod+wait"])
+                                    "96:2:1:3:rs", "64:2:2:2:rs", "64:2:2:2:prod+wait+copy"])
 def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
     report = wp.compile_report(jit.compile_kernel(wp.spec(wp.parse_config(config), 4, 32)).log)

@@ -28,4 +28,11 @@ MEGAMOE_DEVICE void tma_load_3d(const TensorMap* map, void* smem_dst, u64* bar, 
       : "memory");
 }
 
+// `bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned), no tensor map.
+MEGAMOE_DEVICE void bulk_load(void* smem_dst, const void* gmem_src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(smem_dst)), "l"(reinterpret_cast<u64>(gmem_src)), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
 }  // namespace megamoe

@@ -30,8 +30,12 @@
 // PROBE_STAGE_WAIT 1 (mode 2): a stage mbarrier per stage as the TMA loop has; every chunk waits for
 //               its stage's phase, and thread 0 arrives on the stage of chunk c + S - 1 after the
 //               CTA barrier (the fused kernel's refill with ablate=tma: no copies)
+// PROBE_COPY 1 (with PROBE_STAGE_WAIT): the refill is a real copy, as the TMA loop's: thread 0
+//               loads the stage's bytes from global memory (a small L2-resident buffer cycled
+//               through) with one bulk copy that completes the stage's phase
 // PROBE_STAGES  stages cycled through
 // PROBE_CHUNKS  K chunks per task (the fused kernel's L1 task: hidden / 128); tasks: a launch argument
+#include "../tma.cuh"
 #include "../wgmma.cuh"
 
 #ifndef PROBE_A_REGS
@@ -43,11 +47,15 @@
 #ifndef PROBE_STAGE_WAIT
 #define PROBE_STAGE_WAIT 0
 #endif
+#ifndef PROBE_COPY
+#define PROBE_COPY 0
+#endif
 
 namespace megamoe::probe {
 
 constexpr bool kARegs = PROBE_A_REGS != 0;
-constexpr bool kProducts = PROBE_PRODUCTS != 0, kStageWait = PROBE_STAGE_WAIT != 0;
+constexpr bool kProducts = PROBE_PRODUCTS != 0, kStageWait = PROBE_STAGE_WAIT != 0, kCopy = PROBE_COPY != 0;
+constexpr u32 kCopySources = 8;  // stages' worth of bytes in the copy source buffer
 constexpr u32 kN = PROBE_N, kWarpgroups = PROBE_WG, kGroups = PROBE_GROUPS, kMode = PROBE_MODE;
 constexpr u32 kStages = PROBE_STAGES, kChunks = PROBE_CHUNKS;
 constexpr u32 kRowBytes = 128;  // K bytes per chunk: one FP8 scale block
@@ -63,6 +71,7 @@ static_assert(kMode <= 4 && kStages >= 1 && kChunks >= 2, "PROBE_MODE 0-4, PROBE
 static_assert(kMode < 3 || kGroups == 1, "PROBE_MODE 3 and 4 take one group per warpgroup");
 static_assert(!kProducts || (!kARegs && kGroups == 2 && (kMode == 1 || kMode == 2)), "PROBE_PRODUCTS: modes 1 / 2, two groups");
 static_assert(!kStageWait || (kGroups == 2 && kMode == 2), "PROBE_STAGE_WAIT: mode 2 (its CTA barrier orders the arrivals)");
+static_assert(!kCopy || kStageWait, "PROBE_COPY refills through the stage waits (PROBE_STAGE_WAIT)");
 static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
 
 MEGAMOE_DEVICE const u8* weight_rows(const u8* stage, u32 wg, u32 g) {
@@ -147,17 +156,25 @@ MEGAMOE_DEVICE void wait_stage(u64* full, u32 seq) {
     while (!mbarrier_try_wait(&full[seq % kStages], (seq / kStages) & 1)) {
     }
 }
-MEGAMOE_DEVICE void refill_stage(u64* full, u32 seq) {
-  if constexpr (kStageWait)
-    if (threadIdx.x == 0) mbarrier_arrive(&full[(seq + kStages - 1) % kStages]);
+MEGAMOE_DEVICE void refill_stage(u64* full, u32 seq, u8* smem, const u8* copy_src) {
+  if constexpr (kStageWait) {
+    if (threadIdx.x != 0) return;
+    const u32 stage = (seq + kStages - 1) % kStages;
+    if constexpr (kCopy) {  // the stage's bytes land from global memory, as the TMA refill's
+      mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+      bulk_load(smem + stage * kStageBytes, copy_src + (seq % kCopySources) * kStageBytes, kStageBytes, &full[stage]);
+    } else {
+      mbarrier_arrive(&full[stage]);
+    }
+  }
 }
 
 // One task's K loop of kChunks chunks, fully unrolled: rolled, ptxas lost track of which group a
 // wait completes across the back edge of the two-group pattern and serialized every wgmma
 // (C7514), and the A_REGS and two-partial patterns pick their register set by the chunk's
 // parity. acc += the task.
-MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, const float* scale_table, u32 wg,
-                                u64* full, u32 seq) {
+MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], u8* smem, const float* scale_table, u32 wg,
+                                u64* full, u32 seq, const u8* copy_src) {
   float part0[kAccum], part1[kAccum];  // written by each group's first k step (scale-d 0)
   AFrag a[2];                           // A_REGS: chunk c's token operand in a[c % 2]
   Scales scales;
@@ -178,7 +195,7 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, c
     if constexpr (kARegs) load_a(a[0], stage_of(0));
     issue(part0, stage_of(0), wg, 0, a[0], false);
     if constexpr (kMode == 2) __syncthreads();
-    refill_stage(full, seq);
+    refill_stage(full, seq, smem, copy_src);
     issue(part1, stage_of(0), wg, 1, a[0], false);
     load_scales(scales, scale_table, 0);
     wait_for<1>(part0);
@@ -191,7 +208,7 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, c
       wait_for<1>(part1);  // group 1 of chunk c - 1, while group 0 of chunk c runs
       promote(acc[1], part1, scales);
       if constexpr (kMode == 2) __syncthreads();
-      refill_stage(full, seq + c);
+      refill_stage(full, seq + c, smem, copy_src);
       issue(part1, stage_of(c), wg, 1, a[c % 2], false);
       load_scales(scales, scale_table, c);
       wait_for<1>(part0);
@@ -245,10 +262,11 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], const u8* smem, c
 using namespace megamoe;
 using namespace megamoe::probe;
 
+// copy_src (PROBE_COPY): kCopySources stages' worth of finite e4m3 bytes, 16-byte aligned.
 // cycles[cta * kWarpgroups + wg]: SM cycles of warpgroup wg's `tasks` K loops (its thread 0); sink: one sum
 // per thread, so that no wgmma is dead code.
 extern "C" __global__ void __launch_bounds__(kWarpgroups * 128, 1)
-megamoe_wgmma_rate(unsigned long long* cycles, float* sink, int tasks) {
+megamoe_wgmma_rate(unsigned long long* cycles, float* sink, int tasks, const u8* copy_src) {
   extern __shared__ u8 smem_raw[];
   u8* smem = reinterpret_cast<u8*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
   float* scale_table = reinterpret_cast<float*>(smem + kStages * kStageBytes);
@@ -277,8 +295,10 @@ megamoe_wgmma_rate(unsigned long long* cycles, float* sink, int tasks) {
 
   const unsigned long long start = clock64();
   // acc is not zeroed between tasks (the fused kernel does): it keeps every task's promotions live.
-  for (int task = 0; task < tasks; ++task) task_k_loop(acc, smem, scale_table, wg, full, static_cast<u32>(task) * kChunks);
+  for (int task = 0; task < tasks; ++task) task_k_loop(acc, smem, scale_table, wg, full, static_cast<u32>(task) * kChunks, copy_src);
   const unsigned long long stop = clock64();
+  // The last chunks' refills (PROBE_COPY: copies) must land before the CTA exits.
+  for (u32 i = 0; kStageWait && i + 1 < kStages; ++i) wait_stage(full, static_cast<u32>(tasks) * kChunks + i);
   if (threadIdx.x % 128 == 0) cycles[blockIdx.x * kWarpgroups + wg] = stop - start;
   float sum = 0.0f;
 #pragma unroll
