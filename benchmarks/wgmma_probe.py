@@ -99,7 +99,7 @@ def spec(cfg: dict, stages: int, chunks: int):
                                                    PROBE_STAGES=stages, PROBE_CHUNKS=chunks,
                                                    PROBE_A_REGS=int(cfg["a_regs"]), PROBE_PRODUCTS=int(cfg["products"]),
                                                    PROBE_STAGE_WAIT=int(cfg["stage_wait"]),
-                                                   PROBE_COPY=int(cfg.get("copy", False))))
+                                                   PROBE_COPY=int(cfg["copy"])))
 
 
 def compile_report(log: str) -> dict:

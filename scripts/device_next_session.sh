@@ -24,8 +24,6 @@
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
 #                register-A forms with the real fragment loader and the fused pattern with real
 #                refill copies (prod+wait+copy), one GPU
-#   STEP=split   split-K (branch next/split-k-decode checked out): its kernel tests, both sanitizers,
-#                then decode probes with split-K on and off
 #   STEP=pitch   the row-pitch experiment: per-phase times of V4-Flash-like vs 4352- / 2176-wide variants
 #   STEP=ncu_mem memory sections and raw counters (DRAM / L2 bytes, hit rates) per VARIANTS, one GPU
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
@@ -139,14 +137,6 @@ case "${STEP:-verify}" in
     tail -2 "$OUT/wgmma_rs_tests.log"
     timeout 200 python3 -m benchmarks.wgmma_probe --configs ${CONFIGS:-64:2:2:0 64:2:2:2 64:2:2:2:prod+wait 64:2:2:2:prod+wait+copy \
       64:2:2:0:rs 64:2:2:2:rs 128:2:1:2:rs 64:2:1:3:rs 96:2:1:3:rs 96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
-  split)    # ~9 min: the split-K branch's tests (split cases, multi-GPU FP8, back-to-back), memcheck and
-            # racecheck (sanitize_probe.py has a split case), then 1 / 8 tokens per rank with split-K on / off
-    timeout 260 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \
-      -k "${TESTS:-split or (multi_gpu and fp8) or back_to_back}" > "$OUT/kernel_tests_split.log" 2>&1
-    tail -3 "$OUT/kernel_tests_split.log"
-    sanitize 120
-    timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
-      --tokens ${TOKENS:-1 8} --variants default split=0 --out "$OUT/probe_split.json" 2>&1 | tail -20 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)
@@ -185,5 +175,5 @@ case "${STEP:-verify}" in
     cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
     python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
     head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, ab, trace, wgmma, split, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac

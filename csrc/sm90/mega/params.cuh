@@ -64,8 +64,9 @@ struct ExpertTable {
 };
 
 // The largest e < kNumLocalExperts with table[e] <= value (table ascending, table[0] == 0), by a
-// whole converged warp (every lane passes the same value): two rounds of 32 compares side by side instead of log2(n) dependent shared-memory
-// reads (the binary searches of a task's lookup were 5 % of a prefill's stall samples).
+// whole converged warp (every lane passes the same value): two rounds of 32 compares side by side
+// instead of log2(n) dependent shared-memory reads (the binary searches of a task's lookup were
+// 5 % of a prefill's stall samples).
 MEGAMOE_DEVICE u32 upper_bound_expert_warp(const u32* table, u32 value) {
   constexpr u32 kStride = (kNumLocalExperts + 31) / 32;  // entries per lane's coarse probe (<= 32)
   static_assert(kStride <= 32, "two rounds of 32 compares cover at most 1024 experts");

@@ -149,12 +149,11 @@ MEGAMOE_DEVICE void promote(float (&acc)[kAccum], const float (&part)[kAccum], c
     acc[i] = fmaf(part[i], kARegs ? s.s[0][(i % 4) / 2] : kProducts ? s.s[i / 4][i % 4] : s.s[i / 4][i % 2], acc[i]);
 }
 
-// PROBE_STAGE_WAIT: chunk `seq` (counted over the launch) waits for its stage's phase; after the
-// CTA barrier of chunk seq, thread 0 completes the phase of chunk seq + S - 1 (the refill's arrival).
+// PROBE_STAGE_WAIT: chunk `seq` (counted over the launch) waits for its stage's phase (a copy that
+// never lands traps instead of hanging the device); after the CTA barrier of chunk seq, thread 0
+// completes the phase of chunk seq + S - 1 (the refill's arrival).
 MEGAMOE_DEVICE void wait_stage(u64* full, u32 seq) {
-  if constexpr (kStageWait)
-    while (!mbarrier_try_wait(&full[seq % kStages], (seq / kStages) & 1)) {
-    }
+  if constexpr (kStageWait) mbarrier_wait(&full[seq % kStages], (seq / kStages) & 1, 0);
 }
 MEGAMOE_DEVICE void refill_stage(u64* full, u32 seq, u8* smem, const u8* copy_src) {
   if constexpr (kStageWait) {
