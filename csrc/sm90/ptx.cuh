@@ -119,11 +119,12 @@ MEGAMOE_DEVICE int ldg_int(const int* ptr) { return __ldg(ptr); }
 
 // Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix.x4): lane l gives the address
 // of row l % 8 of matrix l / 8 (16 bytes); thread t receives, in r[m], bytes 4 (t % 4) .. +3 of
-// row t / 4 of matrix m.
+// row t / 4 of matrix m. A memory clobber: it must not move above the wait for the bytes it reads.
 MEGAMOE_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 smem_address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address));
+               : "r"(smem_address)
+               : "memory");
 }
 
 }  // namespace megamoe

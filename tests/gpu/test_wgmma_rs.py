@@ -26,8 +26,8 @@ def _is_sm90() -> bool:
 requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (SM90) GPU")
 
 
-def spec(n: int) -> jit.KernelSpec:
-    return jit.KernelSpec.make(SOURCE, ENTRY, dict(CHECK_N=n))
+def spec(n: int, reuse: bool = False) -> jit.KernelSpec:
+    return jit.KernelSpec.make(SOURCE, ENTRY, dict(CHECK_N=n, CHECK_REUSE=int(reuse)))
 
 
 def random_e4m3(rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -36,26 +36,53 @@ def random_e4m3(rows: int, generator: torch.Generator) -> torch.Tensor:
     return x.clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
+def run_check(n: int, a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """D (and D2 when a2 is given: the CHECK_REUSE build) from the check kernel, on the CPU."""
+    import ctypes
+    dev = torch.device("cuda")
+    tiles = [t.view(torch.uint8).to(dev) for t in (a, b) + ((a2,) if a2 is not None else ())]
+    outs = [torch.full((64, n), float("nan"), device=dev) for _ in range(1 if a2 is None else 2)]
+    kernel = jit.get_kernel(spec(n, reuse=a2 is not None), torch.cuda.current_device())
+    smem = (64 + n + (64 if a2 is not None else 0)) * 128 + 1024
+    args = [ctypes.c_void_p(tiles[0].data_ptr()), ctypes.c_void_p(tiles[1].data_ptr()), ctypes.c_void_p(outs[0].data_ptr()),
+            ctypes.c_void_p(tiles[2].data_ptr() if a2 is not None else 0),
+            ctypes.c_void_p(outs[1].data_ptr() if a2 is not None else 0)]
+    kernel.launch(1, 128, smem, torch.cuda.current_stream().cuda_stream, args)
+    torch.cuda.synchronize()
+    return [o.cpu() for o in outs]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    assert torch.isfinite(out).all(), f"{what}: elements of D were never written"
+    err = ((out - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert err < 1e-3, f"{what}: worst |D - ref| / sum|products| = {err:.3e}"
+
+
 @requires_sm90
 @pytest.mark.parametrize("n", [64, 96])
 def test_register_a_wgmma_matches_reference(n):
-    import ctypes
     generator = torch.Generator().manual_seed(n)
     a, b = random_e4m3(64, generator), random_e4m3(n, generator)
     ref = a.float() @ b.float().T
     scale = a.float().abs() @ b.float().abs().T  # the row's sum of |products|
     dev = torch.device("cuda")
-    a_dev, b_dev = a.view(torch.uint8).to(dev), b.view(torch.uint8).to(dev)
-    d = torch.full((64, n), float("nan"), device=dev)
-    kernel = jit.get_kernel(spec(n), torch.cuda.current_device())
-    smem = (64 + n) * 128 + 1024
-    kernel.launch(1, 128, smem, torch.cuda.current_stream().cuda_stream,
-                  [ctypes.c_void_p(a_dev.data_ptr()), ctypes.c_void_p(b_dev.data_ptr()), ctypes.c_void_p(d.data_ptr())])
-    torch.cuda.synchronize()
-    out = d.cpu()
-    assert torch.isfinite(out).all(), "elements of D were never written"
-    err = ((out - ref).abs() / scale.clamp_min(1e-30)).max().item()
-    assert err < 1e-3, f"N={n}: worst |D - ref| / sum|products| = {err:.3e}"
+    out = run_check(n, a, b)[0]
+    assert_close(out, ref, scale, f"N={n}")
     # A transposed K segment pair (the swizzle or the fragment order wrong) would not pass:
     swapped = a.float().view(64, 8, 16)[:, [1, 0, 2, 3, 4, 5, 6, 7]].reshape(64, 128) @ b.float().T
     assert ((swapped - ref).abs() / scale).max().item() > 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("n", [64, 128])
+def test_register_a_reloaded_while_in_flight(n):
+    """The register-token K loop reloads its token fragment while the chunk's second group, which
+    reads it, may still run (ptxas gives the reload the same registers): both groups' results
+    must be those of their own A tile."""
+    generator = torch.Generator().manual_seed(100 + n)
+    a, b, a2 = random_e4m3(64, generator), random_e4m3(n, generator), random_e4m3(64, generator)
+    d, d2 = run_check(n, a, b, a2)
+    for out, tile, what in ((d, a, "first group"), (d2, a2, "second group")):
+        assert_close(out, tile.float() @ b.float().T, tile.float().abs() @ b.float().abs().T, f"N={n}, {what}")
+    # a first group that had read the second tile would not pass
+    assert ((a2.float() @ b.float().T - a.float() @ b.float().T).abs() / (a.float().abs() @ b.float().abs().T)).max() > 1e-2

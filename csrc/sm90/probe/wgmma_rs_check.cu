@@ -5,11 +5,19 @@
 // per k-step by load_a_fragment_fp8_sw128 (ldmatrix), B read through a descriptor
 // (tests/gpu/test_wgmma_rs.py compares D with a float32 reference).
 //
-// CHECK_N  the wgmma N: rows of B and columns of D (a multiple of 8 up to 256)
+// CHECK_N      the wgmma N: rows of B and columns of D (a multiple of 8 up to 256)
+// CHECK_REUSE  1: the register-token K loop's pattern (k_loop_register_tokens.cuh): once the
+//              first wgmma group is committed, the same fragment variable is loaded with a
+//              second A tile (a2) and a second group D2 = A2 x B^T issued before either is waited
+//              for. ptxas gives the second ldmatrix the registers the first group reads (it
+//              treats register A operands as read at issue): D must still be A x B^T.
 #include "../wgmma.cuh"
 
 #ifndef CHECK_N
 #define CHECK_N 64
+#endif
+#ifndef CHECK_REUSE
+#define CHECK_REUSE 0
 #endif
 
 namespace megamoe::probe {
@@ -23,15 +31,26 @@ static_assert(kN % 8 == 0 && kN <= 256, "CHECK_N: a multiple of 8 up to 256");
 using namespace megamoe;
 using namespace megamoe::probe;
 
-// a: [64][128] bytes, b: [kN][128] bytes (row-major e4m3), d: [64][kN] float. One CTA of 128 threads.
+MEGAMOE_DEVICE void store_d(float* d, const float (&acc)[kN / 2]) {
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (u32 i = 0; i < kN / 2; ++i) d[accum_row(static_cast<int>(i), warp, lane) * kN + accum_col(static_cast<int>(i), lane)] = acc[i];
+}
+
+// a, a2: [64][128] bytes, b: [kN][128] bytes (row-major e4m3), d, d2: [64][kN] float (a2 and d2:
+// CHECK_REUSE only). One CTA of 128 threads.
 extern "C" __global__ void __launch_bounds__(128, 1)
-megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float* __restrict__ d) {
+megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float* __restrict__ d,
+                       const u8* __restrict__ a2, float* __restrict__ d2) {
   extern __shared__ u8 smem_raw[];
   u8* smem = reinterpret_cast<u8*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
-  // Both tiles in the TMA's 128-byte swizzle, A first (8 KB: B stays 1024-byte aligned).
-  for (u32 i = threadIdx.x; i < (kRowsA + kN) * 8; i += blockDim.x) {
+  // The tiles in the TMA's 128-byte swizzle: A, B, then A2 (8 KB each for A: B stays 1024-byte aligned).
+  constexpr u32 kRows = kRowsA + kN + (CHECK_REUSE ? kRowsA : 0);
+  for (u32 i = threadIdx.x; i < kRows * 8; i += blockDim.x) {
     const u32 row = i / 8, segment = i % 8;
-    const u8* src = row < kRowsA ? a + row * kRowBytes : b + (row - kRowsA) * kRowBytes;
+    const u8* src = row < kRowsA ? a + row * kRowBytes
+                    : row < kRowsA + kN ? b + (row - kRowsA) * kRowBytes
+                                        : a2 + (row - kRowsA - kN) * kRowBytes;
     *reinterpret_cast<uint4*>(smem + row * kRowBytes + (segment ^ (row % 8)) * 16) =
         *reinterpret_cast<const uint4*>(src + segment * 16);
   }
@@ -50,9 +69,26 @@ megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float
 #pragma unroll
   for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc, kk > 0);
   wgmma_commit_group();
-  wgmma_wait_group<0>();
-  fence_accumulators(acc);
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+#if CHECK_REUSE
+  // The same fragment variable, reloaded while the first group may still read it.
 #pragma unroll
-  for (u32 i = 0; i < kN / 2; ++i) d[accum_row(static_cast<int>(i), warp, lane) * kN + accum_col(static_cast<int>(i), lane)] = acc[i];
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk)
+    load_a_fragment_fp8_sw128(frag[kk], smem_addr(smem + (kRowsA + kN) * kRowBytes), kk);
+  float acc2[kN / 2];
+#pragma unroll
+  for (u32 i = 0; i < kN / 2; ++i) acc2[i] = 0.0f;
+  fence_accumulators(acc2);
+  wgmma_fence();
+#pragma unroll
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc2, kk > 0);
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  fence_accumulators(acc2);
+  store_d(d2, acc2);
+#else
+  (void)a2, (void)d2;
+  wgmma_wait_group<0>();
+#endif
+  fence_accumulators(acc);
+  store_d(d, acc);
 }
