@@ -19,7 +19,7 @@ tile, both operands from shared memory, so the token tile is re-read by every m6
 the weight rows of each group (GROUPS nN groups per warpgroup on the same token registers; with
 two, 64:2:2:2:rs is the fused kernel's CTA tile and lagged pattern with the tokens in registers).
 OPTIONS, joined by '+': `rs` (above), `prod` (modes 1 / 2 with two groups: each promotion scale a
-weight x token product made per chunk, as the fused kernel's), `wait` (mode 2: a stage mbarrier
+weight x token product made per chunk, as the fused kernel's; with rs 4 FMULs), `wait` (mode 2: a stage mbarrier
 per chunk, completed by thread 0 after the CTA barrier: the fused kernel's TMA loop without
 copies), `copy` (with `wait`: that refill is a real bulk copy of the stage's bytes from an
 L2-resident global buffer, as the TMA refill). The default set holds the fused kernel's builds
@@ -69,8 +69,8 @@ def parse_config(text: str) -> dict:
         raise ValueError(f"config {text!r}: WG and GROUPS must be 1 or 2, MODE 0 to 4")
     if mode >= 3 and groups != 1:
         raise ValueError(f"config {text!r}: MODE 3 and 4 take one group per warpgroup (GROUPS=1)")
-    if products and (a_regs or groups != 2 or mode not in (1, 2)):
-        raise ValueError(f"config {text!r}: prod takes MODE 1 or 2 with two groups (GROUPS=2), without rs")
+    if products and (groups != 2 or mode not in (1, 2)):
+        raise ValueError(f"config {text!r}: prod takes MODE 1 or 2 with two groups (GROUPS=2)")
     if stage_wait and (groups != 2 or mode != 2):
         raise ValueError(f"config {text!r}: wait takes MODE 2 with two groups (GROUPS=2)")
     if copy and not stage_wait:
@@ -87,9 +87,9 @@ def stage_bytes(cfg: dict) -> int:
 
 
 def smem_bytes(cfg: dict, stages: int) -> int:
-    """Dynamic shared memory: the stages, 4 scale tables of max(N, 64) floats, a stage mbarrier
-    each, 1 KB for the alignment."""
-    return stages * stage_bytes(cfg) + 4 * max(cfg["n"], 64) * 4 + 8 * stages + 1024
+    """Dynamic shared memory: the stages, 4 scale tables of max(N, 64) + 2 x WG floats
+    (wgmma_rate.cu kScaleCols), a stage mbarrier each, 1 KB for the alignment."""
+    return stages * stage_bytes(cfg) + 4 * (max(cfg["n"], 64) + 2 * cfg["warpgroups"]) * 4 + 8 * stages + 1024
 
 
 def spec(cfg: dict, stages: int, chunks: int):
@@ -103,11 +103,12 @@ def spec(cfg: dict, stages: int, chunks: int):
 
 
 def compile_report(log: str) -> dict:
-    """Registers, spill bytes and whether ptxas serialized the wgmmas, from its -v log."""
+    """Registers, spill bytes and whether ptxas serialized the wgmmas (any of its reasons), from its
+    -v log."""
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
     return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
-                serialized="C7514" in log)
+                serialized="instructions are serialized" in log)  # C7510 / C7514 / C7515 ...
 
 
 def macs_per_chunk(cfg: dict) -> int:

@@ -16,6 +16,7 @@ def test_configs_parse_and_bad_ones_are_named():
     assert wp.parse_config("128:2:1:3:rs")["a_regs"] is True
     both = wp.parse_config("64:2:2:2:prod+wait")
     assert both["products"] and both["stage_wait"] and not both["a_regs"]
+    assert wp.parse_config("64:2:2:2:rs+prod+wait+copy")["products"] is True
     for bad, what in (("64:2:2", "N:WG:GROUPS:MODE"), ("60:2:2:0", "multiple of 8"), ("64:3:2:0", "WG and GROUPS"),
                       ("64:2:2:5", "MODE 0 to 4"), ("128:2:2:3", "one group per warpgroup"),
                       ("128:2:2:3:rs", "one group per warpgroup"), ("128:2:1:0:ss", "N:WG:GROUPS:MODE"),
@@ -39,7 +40,7 @@ def test_work_and_memory_per_chunk():
 
 
 def test_compile_report_reads_ptxas():
-    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized\n"
+    log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized\n"
            "ptxas info    : Used 229 registers, used 1 barriers\n    0 bytes stack frame, 8 bytes spill stores")
     assert wp.compile_report(log) == dict(registers=229, spill_bytes=8, serialized=True)
     assert wp.compile_report("")["serialized"] is False
@@ -55,11 +56,12 @@ def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("n", [64, 96])
-def test_register_a_check_kernel_compiles(n, tmp_path, monkeypatch):
-    """The GPU check of the register-A wgmma (tests/gpu/test_wgmma_rs.py) and its fragment loader
-    compile for sm_90a without spills."""
+@pytest.mark.parametrize("n,reuse", [(64, 0), (96, 0), (128, 1)])
+def test_register_a_check_kernel_compiles(n, reuse, tmp_path, monkeypatch):
+    """The GPU checks of the register-A wgmma (tests/gpu/test_wgmma_rs.py) and its fragment loader
+    compile for sm_90a without spills or serialised wgmmas."""
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
     log = jit.compile_kernel(jit.KernelSpec.make("sm90/probe/wgmma_rs_check.cu", "megamoe_wgmma_rs_check",
-                                                 dict(CHECK_N=n))).log
-    assert wp.compile_report(log)["spill_bytes"] in (0, None)
+                                                 dict(CHECK_N=n, CHECK_REUSE=reuse))).log
+    report = wp.compile_report(log)
+    assert report["spill_bytes"] in (0, None) and not report["serialized"], log

@@ -24,9 +24,10 @@
 //               3: one group per warpgroup into two partials taken in turn, each chunk's promotion
 //                  lagged behind the next chunk's issue
 //               4: mode 3 plus one CTA barrier per chunk
-// PROBE_PRODUCTS 1 (modes 1 and 2, two groups, A_REGS 0): the promotion's scale per accumulator
-//               is a weight x token product made per chunk (two weight scales per thread, 32
-//               FMULs for n64), as the fused kernel's load_promote_scales does
+// PROBE_PRODUCTS 1 (modes 1 and 2, two groups): the promotion's scale per accumulator is a
+//               weight x token product made per chunk: A_REGS 0 two weight scales per thread, 32
+//               FMULs for n64, as the fused kernel's load_promote_scales does; A_REGS 1 one weight
+//               scale per group and the thread's two token rows, 4 FMULs
 // PROBE_STAGE_WAIT 1 (mode 2): a stage mbarrier per stage as the TMA loop has; every chunk waits for
 //               its stage's phase, and thread 0 arrives on the stage of chunk c + S - 1 after the
 //               CTA barrier (the fused kernel's refill with ablate=tma: no copies)
@@ -64,12 +65,12 @@ constexpr u32 kTokenRows = kARegs ? 64 : kN;
 constexpr u32 kStageBytes = (kWeightRows + kTokenRows) * kRowBytes;
 constexpr u32 kAccum = kN / 2;
 constexpr u32 kScaleSets = 4;  // per-chunk scale tables cycled through (values differ per chunk)
-constexpr u32 kScaleCols = kN > 64 ? kN : 64;  // a table's entries: token columns or rows
+constexpr u32 kScaleCols = (kN > 64 ? kN : 64) + 2 * kWarpgroups;  // token columns or rows (+ rs prod's weight scales)
 static_assert(kN % 8 == 0 && kN <= 256, "PROBE_N: a multiple of 8 up to 256");
 static_assert(kGroups == 1 || kGroups == 2, "PROBE_GROUPS: 1 or 2");
 static_assert(kMode <= 4 && kStages >= 1 && kChunks >= 2, "PROBE_MODE 0-4, PROBE_STAGES >= 1, PROBE_CHUNKS >= 2");
 static_assert(kMode < 3 || kGroups == 1, "PROBE_MODE 3 and 4 take one group per warpgroup");
-static_assert(!kProducts || (!kARegs && kGroups == 2 && (kMode == 1 || kMode == 2)), "PROBE_PRODUCTS: modes 1 / 2, two groups");
+static_assert(!kProducts || (kGroups == 2 && (kMode == 1 || kMode == 2)), "PROBE_PRODUCTS: modes 1 / 2, two groups");
 static_assert(!kStageWait || (kGroups == 2 && kMode == 2), "PROBE_STAGE_WAIT: mode 2 (its CTA barrier orders the arrivals)");
 static_assert(!kCopy || kStageWait, "PROBE_COPY refills through the stage waits (PROBE_STAGE_WAIT)");
 static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
@@ -113,14 +114,21 @@ MEGAMOE_DEVICE void wait_for(float (&d)[kAccum]) {
 // The promotion's scales, read before the wait so their latency hides behind the tensor cores.
 // A_REGS 0: per n8 tile the two token columns this thread holds (the fused kernel's
 // PromoteScales with one weight scale). A_REGS 1: the thread's two token rows (the weight
-// scale is one value per chunk for a warpgroup's <= 128 rows, folded in).
+// scale is one value per chunk for a warpgroup's <= 128 rows, folded in; with PROBE_PRODUCTS one
+// weight scale per group: slots [0][2 g + 0 / 1], group g's products with the two token rows).
 struct Scales {
   float s[kARegs ? 1 : kN / 8][kProducts ? 4 : 2];
 };
 
 MEGAMOE_DEVICE void load_scales(Scales& s, const float* table, u32 chunk) {
   const float* set = table + (chunk % kScaleSets) * kScaleCols;
-  if constexpr (kProducts) {  // slots [nt][0..3]: rows g, g (tokens 2 t4, + 1), rows g + 8, g + 8
+  if constexpr (kProducts && kARegs) {
+    const u32 row = (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
+    const u32 wg = threadIdx.x / 128;
+    const float t_lo = set[row], t_hi = set[row + 8];
+    const float w0 = set[64 + 2 * wg], w1 = set[65 + 2 * wg];  // past the 64 token rows
+    s.s[0][0] = w0 * t_lo, s.s[0][1] = w0 * t_hi, s.s[0][2] = w1 * t_lo, s.s[0][3] = w1 * t_hi;
+  } else if constexpr (kProducts) {  // slots [nt][0..3]: rows g, g (tokens 2 t4, + 1), rows g + 8, g + 8
     const u32 warp = threadIdx.x / 32;
     const float w_lo = set[warp], w_hi = set[warp + 8];
 #pragma unroll
@@ -143,10 +151,13 @@ MEGAMOE_DEVICE void load_scales(Scales& s, const float* table, u32 chunk) {
 }
 
 // Accumulator element i of an m64nN fragment: row (i % 4) / 2 (+8), column 8 (i / 4) + i % 2.
-MEGAMOE_DEVICE void promote(float (&acc)[kAccum], const float (&part)[kAccum], const Scales& s) {
+// g: the group (A_REGS with PROBE_PRODUCTS picks its weight scale's products).
+MEGAMOE_DEVICE void promote(float (&acc)[kAccum], const float (&part)[kAccum], const Scales& s, u32 g = 0) {
 #pragma unroll
   for (u32 i = 0; i < kAccum; ++i)
-    acc[i] = fmaf(part[i], kARegs ? s.s[0][(i % 4) / 2] : kProducts ? s.s[i / 4][i % 4] : s.s[i / 4][i % 2], acc[i]);
+    acc[i] = fmaf(part[i],
+                  kARegs ? s.s[0][(kProducts ? 2 * g : 0) + (i % 4) / 2] : kProducts ? s.s[i / 4][i % 4] : s.s[i / 4][i % 2],
+                  acc[i]);
 }
 
 // PROBE_STAGE_WAIT: chunk `seq` (counted over the launch) waits for its stage's phase (a copy that
@@ -205,7 +216,7 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], u8* smem, const f
       if constexpr (kARegs) load_a(a[c % 2], stage_of(c));
       issue(part0, stage_of(c), wg, 0, a[c % 2], false);
       wait_for<1>(part1);  // group 1 of chunk c - 1, while group 0 of chunk c runs
-      promote(acc[1], part1, scales);
+      promote(acc[1], part1, scales, 1);
       if constexpr (kMode == 2) __syncthreads();
       refill_stage(full, seq + c, smem, copy_src);
       issue(part1, stage_of(c), wg, 1, a[c % 2], false);
@@ -214,7 +225,7 @@ MEGAMOE_DEVICE void task_k_loop(float (&acc)[kGroups][kAccum], u8* smem, const f
       promote(acc[0], part0, scales);
     }
     wait_for<0>(part1);
-    promote(acc[1], part1, scales);
+    promote(acc[1], part1, scales, 1);
   } else if constexpr (kMode <= 2) {
 #pragma unroll
     for (u32 c = 0; c < kChunks; ++c) {
