@@ -17,8 +17,8 @@
 #                (kernel_probe ablate=promotion / mma) and optionally another commit's sources
 #   STEP=spans   one-GPU kernel tests, then task spans (phase clock) of the three shapes, V4-Flash-like
 #                ablations (tma / mma / both) and optionally another commit's sources
-#   STEP=ab      kernel tests of this tree, then the same kernel_probe of this tree and of other csrc
-#                trees (BASES) side by side
+#   STEP=ab      kernel tests of this tree (SANITIZE=1: then memcheck and racecheck), then the same
+#                kernel_probe of this tree and of other csrc trees (BASES) side by side
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -29,7 +29,7 @@
 #   STEP=ncu_src stall samples per SASS instruction (source.csv) of one launch, one GPU
 #   STEP=ncu     Nsight Compute sections of one launch (one GPU; V4-Flash-like; TOKENS=64 per rank:
 #                about the per-rank expert load of 8-16 tokens per rank at EP2)
-# Usage: STEP=verify bash scripts/device_next_session.sh   (results in $OUT)
+# Usage: STEP=verify bash scripts/device_next_session.sh   (results in $OUT; GPUS=1: the probes at EP1 on one H200)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
@@ -49,13 +49,13 @@ case "${STEP:-verify}" in
     tail -4 "$OUT/kernel_tests.log"
     sanitize 140
     # optional: PROBE_VARIANTS at PROBE_TOKENS tokens per rank of V4-Flash (e.g. sms=66 against the default)
-    [ -n "${PROBE_VARIANTS:-}" ] && timeout 170 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash \
+    [ -n "${PROBE_VARIANTS:-}" ] && timeout 170 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes v4-flash \
       --tokens ${PROBE_TOKENS:-8192} --variants $PROBE_VARIANTS --out "$OUT/probe_verify.json" 2>&1 | tail -8 ;;
   probe)    # ~7 min: per-phase probes of the table's builds next to forced token tiles and 5 stages
     T0=$(date +%s); left() { echo $(( 540 - ($(date +%s) - T0) )); }
-    timeout 250 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
+    timeout 250 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
       --variants ${VARIANTS:-default tile=32 tile=64 stages=5} --out "$OUT/probe_v4.json" 2>&1 | tail -26
-    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus 2 \
+    [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} \
       --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants ${VARIANTS:-default tile=32 tile=64} \
       --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
   bench)
@@ -80,7 +80,7 @@ case "${STEP:-verify}" in
       DEADLINE=$(( L > 130 ? L - 70 : 60 )) bash scripts/device_bench.sh > /dev/null 2>&1
     grep -E "^== " "$OUT/bench.log"
     L=$(left); echo "== $L s left for the probe"
-    [ "$L" -gt 75 ] && timeout $(( L - 35 )) python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash deepseek-v3 \
+    [ "$L" -gt 75 ] && timeout $(( L - 35 )) python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes v4-flash deepseek-v3 \
       --tokens 8 128 --variants mainloop=tma mainloop=tma,stages=5,tile=32 --iters 10 --out "$OUT/probe_stages.json" 2>&1 | tail -5
     L=$(left)
     [ "$L" -gt 30 ] && timeout $(( L - 3 )) python3 -m pytest $T tests/test_portable_gpu.py -k cuda_graph_one_gpu 2>&1 | tail -2 ;;
@@ -90,9 +90,9 @@ case "${STEP:-verify}" in
     env ${TEST_ENV:-} timeout 200 python3 -m pytest $T -o timeout=190 tests/gpu/test_sm90_mega_moe.py \
       -k "${TESTS:-fp8 and (v4 or qwen3 or small)}" > "$OUT/kernel_tests_fp8.log" 2>&1
     tail -2 "$OUT/kernel_tests_fp8.log"
-    timeout 220 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} \
+    timeout 220 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} \
       --variants ${VARIANTS:-default ablate=promotion ablate=mma} --out "$OUT/probe_ablate.json" 2>&1 | tail -14
-    [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 120 python3 -m benchmarks.kernel_probe --gpus 2 \
+    [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 120 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} \
       --shapes ${SHAPES:-v4-flash} --tokens ${TOKENS:-8 128 1024 8192} --out "$OUT/probe_base.json" 2>&1 | tail -6 ;;
   spans)    # ~8 min: one-GPU kernel tests (TESTS), then per-phase times and task spans (phase clock) of the
             # default build for SHAPES x TOKENS, the V4-Flash-like 8192-token build next to its ablations
@@ -102,12 +102,12 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m pytest $T -o timeout=190 tests/gpu/test_sm90_mega_moe.py \
       -k "${TESTS:-one_gpu or phase_clock}" > "$OUT/kernel_tests.log" 2>&1
     tail -2 "$OUT/kernel_tests.log"
-    timeout 200 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
+    timeout 200 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-8 1024 8192} --variants ${VARIANTS:-default} --out "$OUT/probe_spans.json" 2>&1 | tail -40
-    [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 \
+    [ -n "${BASE_CSRC:-}" ] && VLLM_MEGAMOE_CSRC_DIR="$BASE_CSRC" timeout 150 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} \
       --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-8 1024 8192} \
       --out "$OUT/probe_spans_base.json" 2>&1 | head -12
-    timeout 150 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8192 \
+    timeout 150 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes v4-flash --tokens 8192 \
       --variants ${ABLATE_VARIANTS:-default ablate=tma ablate=mma ablate=tma+mma} --out "$OUT/probe_spans_ablate.json" 2>&1 | tail -12 ;;
   ab)       # ~8 min: kernel tests (TESTS, default: the FP8 ones) of this tree, then the same probe of this
             # tree and of every csrc tree in BASES (directories holding a csrc/, e.g. .probe_base: carry
@@ -115,32 +115,34 @@ case "${STEP:-verify}" in
     timeout ${TEST_TIMEOUT:-230} python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py \
       -k "${TESTS:-fp8 or token_tile or back_to_back}" > "$OUT/kernel_tests_ab.log" 2>&1
     tail -2 "$OUT/kernel_tests_ab.log"
-    timeout ${PROBE_TIMEOUT:-150} python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3} \
+    [ -n "${SANITIZE:-}" ] && sanitize 120  # memcheck and racecheck too (SANITIZE=1)
+    timeout ${PROBE_TIMEOUT:-150} python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash deepseek-v3} \
       --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default} --out "$OUT/probe_new.json" 2>&1 | tail -16
     for b in ${BASES:-}; do
-      VLLM_MEGAMOE_CSRC_DIR="$b/csrc" timeout ${PROBE_TIMEOUT:-150} python3 -m benchmarks.kernel_probe --gpus 2 \
+      VLLM_MEGAMOE_CSRC_DIR="$b/csrc" timeout ${PROBE_TIMEOUT:-150} python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} \
         --shapes ${SHAPES:-v4-flash deepseek-v3} --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default} \
         --out "$OUT/probe_$(basename "$b").json" 2>&1 | tail -16
     done ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
             # each interval of a few K chunks of one L1 task per CTA (stage wait, wgmma issues and waits,
             # promotions, CTA barrier, refill), next to the untraced build, with and without copies
-    timeout 250 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
+    timeout 250 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default trace=1 trace=1,ablate=tma_warm} \
       --out "$OUT/probe_trace.json" 2>&1 | tail -24 ;;
   wgmma)    # ~1 min: cycles per K chunk of the fused kernel's wgmma patterns without copies, next to
             # the shapes' ceilings and one-group alternatives (csrc/sm90/probe/wgmma_rate.cu)
     timeout 200 python3 -m benchmarks.wgmma_probe ${CONFIGS:+--configs $CONFIGS} --out "$OUT/wgmma_probe.json" 2>&1 | tail -14 ;;
   rs)       # ~2 min: is load_a_fragment_fp8_sw128 right (float32 reference), and how fast are the
-            # register-A forms with it (two partial sets: the next prefill K loop's candidates)
+            # register-A forms with it (64:2:2:2:rs+prod+wait+copy: the fused 64-token prefill loop's pattern)
     timeout 120 python3 -m pytest $T tests/gpu/test_wgmma_rs.py > "$OUT/wgmma_rs_tests.log" 2>&1
     tail -2 "$OUT/wgmma_rs_tests.log"
     timeout 200 python3 -m benchmarks.wgmma_probe --configs ${CONFIGS:-64:2:2:0 64:2:2:2 64:2:2:2:prod+wait 64:2:2:2:prod+wait+copy \
-      64:2:2:0:rs 64:2:2:2:rs 128:2:1:2:rs 64:2:1:3:rs 96:2:1:3:rs 96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
+      64:2:2:0:rs 64:2:2:2:rs 64:2:2:2:rs+prod+wait 64:2:2:2:rs+prod+wait+copy 128:2:1:2:rs 64:2:1:3:rs 96:2:1:3:rs \
+      96:2:1:4:rs} --out "$OUT/wgmma_probe_rs.json" 2>&1 | tail -8 ;;
   pitch)    # ~2 min: does the weight / staging row pitch set the per-chunk time? V4-Flash-like (4096-byte
             # rows) next to the same layer 256 channels wider (4352) and with a wider intermediate
             # (2176-byte L2 rows), full and no-math builds (docs/kernel_notes.md v5)
-    timeout 300 python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash 4352x2048x256x6 4096x2176x256x6 \
+    timeout 300 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes v4-flash 4352x2048x256x6 4096x2176x256x6 \
       --tokens ${TOKENS:-8192} --variants default ablate=promotion+mma --out "$OUT/probe_pitch.json" 2>&1 | tail -8 ;;
   ncu_mem)  # memory-system sections and raw counters of one launch per variant (one GPU, V4-Flash-like)
     for v in ${VARIANTS:-default ablate=mma}; do
