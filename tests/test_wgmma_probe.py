@@ -1,8 +1,11 @@
 """CPU checks of benchmarks/wgmma_probe.py: config parsing, and that the probe kernel's patterns
 compile for sm_90a without spills and without ptxas serializing the wgmmas (a serialized build
 would time something other than the pattern it names)."""
+import re
+
 import pytest
 
+from benchmarks import sass_census
 from benchmarks import wgmma_probe as wp
 from vllm_megamoe.kernels import jit
 
@@ -56,7 +59,7 @@ def test_patterns_compile_pipelined(config, tmp_path, monkeypatch):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("n,reuse", [(64, 0), (96, 0), (128, 1)])
+@pytest.mark.parametrize("n,reuse", [(64, 0), (96, 0), (128, 1), (128, 2)])
 def test_register_a_check_kernel_compiles(n, reuse, tmp_path, monkeypatch):
     """The GPU checks of the register-A wgmma (tests/gpu/test_wgmma_rs.py) and its fragment loader
     compile for sm_90a without spills or serialised wgmmas."""
@@ -65,3 +68,37 @@ def test_register_a_check_kernel_compiles(n, reuse, tmp_path, monkeypatch):
                                                  dict(CHECK_N=n, CHECK_REUSE=reuse))).log
     report = wp.compile_report(log)
     assert report["spill_bytes"] in (0, None) and not report["serialized"], log
+
+
+def _have_nvdisasm() -> bool:
+    try:
+        sass_census.find_nvdisasm()
+        return True
+    except SystemExit:
+        return False
+
+
+@needs_nvrtc
+@pytest.mark.skipif(not _have_nvdisasm(), reason="needs nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm)")
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_register_a_reuse_checks_compile_to_what_they_check(n, reuse, tmp_path, monkeypatch):
+    """The GPU checks of the register-token loop's fragment reload (tests/gpu/test_wgmma_rs.py)
+    prove something only if, in their SASS, the loop is not serialised, the second group is left
+    pending (DEPBAR.LE 1), and its A registers are the ones the loop's ldmatrix reloads
+    (CHECK_REUSE 1: the hazard) or a copy of them in other registers (2: the fix)."""
+    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path))
+    compiled = jit.compile_kernel(jit.KernelSpec.make("sm90/probe/wgmma_rs_check.cu", "megamoe_wgmma_rs_check",
+                                                      dict(CHECK_N=n, CHECK_REUSE=reuse)), "nvrtc", use_cache=False)
+    assert not wp.compile_report(compiled.log)["serialized"], compiled.log
+    ins = sass_census.parse(sass_census.disassemble(compiled.cubin))
+    (loop,) = sass_census.wgmma_loops(ins)
+    body = loop.body(ins)
+    loaded = {int(re.match(r"LDSM\S*\s+R(\d+)", i.text).group(1)) + j for i in body if i.base == "LDSM" for j in range(4)}
+    qgmma = [i for i in body if i.base == "QGMMA"]
+    assert len(loaded) == 16 and len(qgmma) == 8
+    reads = [{int(re.match(r"QGMMA\S*\s+R\d+,\s*R(\d+)", i.text).group(1)) + j for i in group for j in range(4)}
+             for group in (qgmma[:4], qgmma[4:])]
+    assert reads[0] == loaded
+    assert (reads[1] == loaded) if reuse == 1 else not (reads[1] & loaded)
+    assert any(i.text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1") for i in body)

@@ -6,11 +6,16 @@
 // (tests/gpu/test_wgmma_rs.py compares D with a float32 reference).
 //
 // CHECK_N      the wgmma N: rows of B and columns of D (a multiple of 8 up to 256)
-// CHECK_REUSE  1: the register-token K loop's pattern (k_loop_register_tokens.cuh): once the
-//              first wgmma group is committed, the same fragment variable is loaded with a
-//              second A tile (a2) and a second group D2 = A2 x B^T issued before either is waited
-//              for. ptxas gives the second ldmatrix the registers the first group reads (it
-//              treats register A operands as read at issue): D must still be A x B^T.
+// CHECK_REUSE  the register-token K loop's two groups per fragment, in a loop that is not unrolled
+//              (so a fragment variable has one set of registers): per rep r the tile A (r even)
+//              or A2 (r odd) is loaded, group 0 (D) and group 1 (D2) read it, and only group 0 is
+//              waited for before the next rep's load. D = D2 = 2 (A + A2) x B^T if nothing a
+//              queued group reads is rewritten.
+//              1: both groups read the one fragment, rewritten by the next rep's load while group 1
+//                 may still be queued (undefined in the PTX ISA): what the H200 does with it
+//                 (tests/test_wgmma_probe.py checks in the SASS that the registers are reused)
+//              2: group 1 reads a copy (copy_a_fragment), made once the previous group 1 is
+//                 complete: the pattern of k_loop_register_tokens
 #include "../wgmma.cuh"
 
 #ifndef CHECK_N
@@ -18,6 +23,12 @@
 #endif
 #ifndef CHECK_REUSE
 #define CHECK_REUSE 0
+#endif
+#ifndef CHECK_SERIAL
+#define CHECK_SERIAL 0
+#endif
+#ifndef CHECK_RELOAD
+#define CHECK_RELOAD 1
 #endif
 
 namespace megamoe::probe {
@@ -58,35 +69,58 @@ megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float
   __syncthreads();
 
   u32 frag[kRowBytes / 32][4];
-#pragma unroll
-  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) load_a_fragment_fp8_sw128(frag[kk], smem_addr(smem), kk);
   const u64 desc_b = make_smem_desc_k_major_sw128(smem + kRowsA * kRowBytes);
   float acc[kN / 2];
 #pragma unroll
   for (u32 i = 0; i < kN / 2; ++i) acc[i] = 0.0f;
-  fence_accumulators(acc);
-  wgmma_fence();  // also orders the fragments' loads before the wgmmas that read them
-#pragma unroll
-  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc, kk > 0);
-  wgmma_commit_group();
 #if CHECK_REUSE
-  // The same fragment variable, reloaded while the first group may still read it.
-#pragma unroll
-  for (u32 kk = 0; kk < kRowBytes / 32; ++kk)
-    load_a_fragment_fp8_sw128(frag[kk], smem_addr(smem + (kRowsA + kN) * kRowBytes), kk);
+  constexpr u32 kReps = 4;
+  u32 frag1[kRowBytes / 32][4];  // CHECK_REUSE 2: group 1's copy
   float acc2[kN / 2];
 #pragma unroll
   for (u32 i = 0; i < kN / 2; ++i) acc2[i] = 0.0f;
-  fence_accumulators(acc2);
-  wgmma_fence();
+#pragma unroll 1
+  for (u32 r = 0; r < kReps; ++r) {
+    const u32 tile = smem_addr(smem + (r % 2 ? (kRowsA + kN) * kRowBytes : 0));
+    if (CHECK_RELOAD || r == 0) {
 #pragma unroll
-  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc2, kk > 0);
-  wgmma_commit_group();
+      for (u32 kk = 0; kk < kRowBytes / 32; ++kk) load_a_fragment_fp8_sw128(frag[kk], tile, kk);
+    }
+    fence_accumulators(acc);
+    wgmma_fence();
+#pragma unroll
+    for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc, true);
+    wgmma_commit_group();
+#if CHECK_REUSE == 2
+    wgmma_wait_group<1>();  // the previous rep's group 1: its copy may be rewritten
+    fence_accumulators(acc2);
+    copy_a_fragment(frag1, frag);
+#else
+    fence_accumulators(acc2);
+#endif
+    wgmma_fence();
+#pragma unroll
+    for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(CHECK_REUSE == 2 ? frag1[kk] : frag[kk], desc_b + 2 * kk, acc2, true);
+    wgmma_commit_group();
+#if CHECK_SERIAL
+    wgmma_wait_group<0>();  // diagnostic: nothing left in flight across reps
+#else
+    wgmma_wait_group<1>();  // group 0 only: group 1 may still be queued when the next rep reloads frag
+#endif
+    fence_accumulators(acc);
+  }
   wgmma_wait_group<0>();
   fence_accumulators(acc2);
   store_d(d2, acc2);
 #else
   (void)a2, (void)d2;
+#pragma unroll
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) load_a_fragment_fp8_sw128(frag[kk], smem_addr(smem), kk);
+  fence_accumulators(acc);
+  wgmma_fence();  // also orders the fragments' loads before the wgmmas that read them
+#pragma unroll
+  for (u32 kk = 0; kk < kRowBytes / 32; ++kk) WgmmaFp8E4M3Rs<kN>::mma(frag[kk], desc_b + 2 * kk, acc, kk > 0);
+  wgmma_commit_group();
   wgmma_wait_group<0>();
 #endif
   fence_accumulators(acc);
