@@ -6,16 +6,20 @@
 // (tests/gpu/test_wgmma_rs.py compares D with a float32 reference).
 //
 // CHECK_N      the wgmma N: rows of B and columns of D (a multiple of 8 up to 256)
-// CHECK_REUSE  the register-token K loop's two groups per fragment, in a loop that is not unrolled
-//              (so a fragment variable has one set of registers): per rep r the tile A (r even)
-//              or A2 (r odd) is loaded, group 0 (D) and group 1 (D2) read it, and only group 0 is
-//              waited for before the next rep's load. D = D2 = 2 (A + A2) x B^T if nothing a
-//              queued group reads is rewritten.
-//              1: both groups read the one fragment, rewritten by the next rep's load while group 1
-//                 may still be queued (undefined in the PTX ISA): what the H200 does with it
-//                 (tests/test_wgmma_probe.py checks in the SASS that the registers are reused)
-//              2: group 1 reads a copy (copy_a_fragment), made once the previous group 1 is
-//                 complete: the pattern of k_loop_register_tokens
+// CHECK_REUSE  two wgmma groups per A fragment in a loop that is not unrolled (so a fragment
+//              variable has one set of registers), the pattern of a K loop with the tokens in
+//              registers (docs/kernel_notes.md v12): per rep r the tile A (r even) or A2 (r odd)
+//              is loaded, group 0 (D) and group 1 (D2) read it, and D = D2 = 2 (A + A2) x B^T
+//              if nothing a group reads changes under it.
+//              1: both groups read the one fragment
+//              2: group 1 reads a copy in other registers, made once the previous group 1 is done
+// CHECK_SERIAL 0: only group 0 is waited for before the next rep reloads the fragment (group 1
+//              may still be queued); 1: both are (nothing in flight during the reload).
+//              Measured on H200 (tests/gpu/test_wgmma_rs.py): with 0, D2 is wrong in the rows of
+//              the fragment's registers 0 and 2 in both forms, the copy notwithstanding; with 1,
+//              both are right. tests/test_wgmma_probe.py checks the SASS of each build.
+// CHECK_RELOAD 0: the fragment is loaded at the first rep only (D = D2 = 4 A x B^T): with
+//              nothing reloaded, a queued group 1 is right.
 #include "../wgmma.cuh"
 
 #ifndef CHECK_N
@@ -94,7 +98,10 @@ megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float
 #if CHECK_REUSE == 2
     wgmma_wait_group<1>();  // the previous rep's group 1: its copy may be rewritten
     fence_accumulators(acc2);
-    copy_a_fragment(frag1, frag);
+#pragma unroll
+    for (u32 kk = 0; kk < kRowBytes / 32; ++kk)  // inline asm: a plain copy is folded back into frag
+#pragma unroll
+      for (u32 j = 0; j < 4; ++j) asm volatile("mov.b32 %0, %1;" : "=r"(frag1[kk][j]) : "r"(frag[kk][j]));
 #else
     fence_accumulators(acc2);
 #endif
