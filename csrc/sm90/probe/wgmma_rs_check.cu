@@ -20,6 +20,9 @@
 //              both are right. tests/test_wgmma_probe.py checks the SASS of each build.
 // CHECK_RELOAD 0: the fragment is loaded at the first rep only (D = D2 = 4 A x B^T): with
 //              nothing reloaded, a queued group 1 is right.
+// CHECK_DELAY  N > 0: a spin of N SM clocks between a rep's closing wait and the next reload
+//              (diagnostic only). Measured: 200 or more and both groups are right in both forms,
+//              0 and group 1 is wrong; a window right after the wait, not a register overlap.
 #include "../wgmma.cuh"
 
 #ifndef CHECK_N
@@ -33,6 +36,9 @@
 #endif
 #ifndef CHECK_RELOAD
 #define CHECK_RELOAD 1
+#endif
+#ifndef CHECK_DELAY
+#define CHECK_DELAY 0
 #endif
 
 namespace megamoe::probe {
@@ -85,6 +91,13 @@ megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float
   for (u32 i = 0; i < kN / 2; ++i) acc2[i] = 0.0f;
 #pragma unroll 1
   for (u32 r = 0; r < kReps; ++r) {
+#if CHECK_DELAY
+    if (r > 0) {  // diagnostic: a spin between the last rep's wait and this rep's reload
+      const long long t0 = clock64();
+      while (clock64() - t0 < CHECK_DELAY) {
+      }
+    }
+#endif
     const u32 tile = smem_addr(smem + (r % 2 ? (kRowsA + kN) * kRowBytes : 0));
     if (CHECK_RELOAD || r == 0) {
 #pragma unroll
