@@ -20,6 +20,9 @@
 //              both are right. tests/test_wgmma_probe.py checks the SASS of each build.
 // CHECK_RELOAD 0: the fragment is loaded at the first rep only (D = D2 = 4 A x B^T): with
 //              nothing reloaded, a queued group 1 is right.
+// CHECK_WARPGROUPS 2: two warpgroups run the same check side by side (a fused K loop has two:
+//              warps w and w + 4 share an SM sub-partition), the second started CHECK_WG1_DELAY
+//              clocks late; D and D2 hold one copy per warpgroup.
 // CHECK_DELAY  N > 0: a spin of N SM clocks between a rep's closing wait and the next reload
 //              (diagnostic only). Measured: 200 or more and both groups are right in both forms,
 //              0 and group 1 is wrong; a window right after the wait, not a register overlap.
@@ -40,6 +43,12 @@
 #ifndef CHECK_DELAY
 #define CHECK_DELAY 0
 #endif
+#ifndef CHECK_WARPGROUPS
+#define CHECK_WARPGROUPS 1
+#endif
+#ifndef CHECK_WG1_DELAY
+#define CHECK_WG1_DELAY 0
+#endif
 
 namespace megamoe::probe {
 
@@ -53,14 +62,15 @@ using namespace megamoe;
 using namespace megamoe::probe;
 
 MEGAMOE_DEVICE void store_d(float* d, const float (&acc)[kN / 2]) {
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32 % 4), lane = static_cast<int>(threadIdx.x % 32);
+  d += threadIdx.x / 128 * kRowsA * kN;  // CHECK_WARPGROUPS: each warpgroup its own copy
 #pragma unroll
   for (u32 i = 0; i < kN / 2; ++i) d[accum_row(static_cast<int>(i), warp, lane) * kN + accum_col(static_cast<int>(i), lane)] = acc[i];
 }
 
 // a, a2: [64][128] bytes, b: [kN][128] bytes (row-major e4m3), d, d2: [64][kN] float (a2 and d2:
 // CHECK_REUSE only). One CTA of 128 threads.
-extern "C" __global__ void __launch_bounds__(128, 1)
+extern "C" __global__ void __launch_bounds__(128 * CHECK_WARPGROUPS, 1)
 megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float* __restrict__ d,
                        const u8* __restrict__ a2, float* __restrict__ d2) {
   extern __shared__ u8 smem_raw[];
@@ -89,6 +99,11 @@ megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float
   float acc2[kN / 2];
 #pragma unroll
   for (u32 i = 0; i < kN / 2; ++i) acc2[i] = 0.0f;
+  if (CHECK_WG1_DELAY > 0 && threadIdx.x >= 128) {  // the second warpgroup's reps shifted against the first's
+    const long long t0 = clock64();
+    while (clock64() - t0 < CHECK_WG1_DELAY) {
+    }
+  }
 #pragma unroll 1
   for (u32 r = 0; r < kReps; ++r) {
 #if CHECK_DELAY
