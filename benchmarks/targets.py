@@ -1,0 +1,175 @@
+"""The SM90 kernel's performance targets, checked against a results file (pure, no GPU).
+
+The targets (issue "SM90 mega kernel faster than the best public Hopper mega MoE"), per case of
+the fused path (`megamoe`) on kernel time from the profiler, as SGLang publishes its numbers:
+
+| tokens per rank | target |
+| --- | --- |
+| 1 | kernel time <= roofline + 15 us |
+| 8-128 | roofline / kernel time >= 0.90, and faster than SGLang's kernel |
+| 512-2048 | roofline / kernel time >= 0.75, and faster than SGLang's kernel |
+| 4096-8192 | GEMM time at the format's measured ceiling / kernel time >= 0.60, and >= 1.4x SGLang's kernel |
+| <= 128 / 4096 | end-to-end >= 5x / >= 3x the unfused chain |
+
+SGLang runs FP8 only: BF16 cases have no SGLang criterion. A bound the roofline itself cannot
+reach is marked as such and does not count against the case: the prefill target where the
+roofline is bound by something else than the GEMM (e.g. NVLink at 4096 tokens of a small-expert
+layer), and a chain ratio where the chain takes less than that many times the roofline.
+
+    python -m benchmarks.targets benchmarks/results/bench_ep2.json     # print the table
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from benchmarks import report
+
+ONE_TOKEN_SLACK_US = 15.0
+DECODE_FRACTION = 0.90
+MIDDLE_FRACTION = 0.75
+PREFILL_GEMM_FRACTION = 0.60
+PREFILL_VS_SGLANG = 1.4
+
+
+@dataclass
+class Criterion:
+    """One measured figure against its bound; `met` is None where it cannot be judged."""
+
+    name: str
+    value: Optional[float]
+    bound: float
+    at_least: bool = True   # False: the value must be at most the bound
+    note: str = ""
+
+    @property
+    def met(self) -> Optional[bool]:
+        if self.value is None:
+            return None
+        return self.value >= self.bound if self.at_least else self.value <= self.bound
+
+    def cell(self) -> str:
+        if self.value is None:
+            return f"{self.name}: n/a"
+        sign = ">=" if self.at_least else "<="
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[self.met]
+        if self.met is False and self.note:
+            verdict = "beyond the roofline"
+        extra = f", {self.note}" if self.note else ""
+        return f"{self.name} {self.value:.2f} ({sign} {self.bound:.2f}: {verdict}{extra})"
+
+
+def bucket(tokens: int) -> Optional[str]:
+    """The target's token bucket, None for token counts the targets do not name."""
+    if tokens == 1:
+        return "1"
+    if 8 <= tokens <= 128:
+        return "8-128"
+    if 512 <= tokens <= 2048:
+        return "512-2048"
+    if 4096 <= tokens <= 8192:
+        return "4096-8192"
+    return None
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a and b else None
+
+
+def criteria(by_path: dict) -> list[Criterion]:
+    """The criteria of one case (`by_path`: path name -> result row of that case)."""
+    mine = by_path.get("megamoe")
+    if not mine or mine.get("error") or not mine.get("kernel_us"):
+        return []
+    tokens, kernel = mine["tokens_per_rank"], mine["kernel_us"]
+    roof = mine.get("roofline") or {}
+    roof_us, gemm_us = roof.get("roofline_us"), roof.get("gemm_us")
+    sglang = by_path.get("sglang")
+    sglang_kernel = sglang.get("kernel_us") if sglang and not sglang.get("error") else None
+    out: list[Criterion] = []
+    b = bucket(tokens)
+    if b == "1":
+        out.append(Criterion("kernel us - roofline us", kernel - roof_us if roof_us else None,
+                             ONE_TOKEN_SLACK_US, at_least=False))
+    elif b in ("8-128", "512-2048"):
+        bound = DECODE_FRACTION if b == "8-128" else MIDDLE_FRACTION
+        out.append(Criterion("roofline frac", _ratio(roof_us, kernel), bound))
+    elif b == "4096-8192":
+        note = ""
+        if roof_us and gemm_us and gemm_us / roof_us < PREFILL_GEMM_FRACTION:
+            note = f"the {roof.get('bound', '?')} roofline allows at most {gemm_us / roof_us:.2f}"
+        out.append(Criterion("GEMM-ceiling frac", _ratio(gemm_us, kernel), PREFILL_GEMM_FRACTION, note=note))
+    if b is not None and b != "1" and mine["format"] == "fp8-block":
+        bound = PREFILL_VS_SGLANG if b == "4096-8192" else 1.0
+        # "faster than" is strict: a ratio of exactly 1.0 does not beat SGLang
+        out.append(Criterion("x sglang", _ratio(sglang_kernel, kernel), bound + (1e-9 if bound == 1.0 else 0.0)))
+    chain = by_path.get("chain")
+    chain_e2e = chain.get("e2e_us") if chain and not chain.get("error") else None
+    if tokens <= 128 or tokens == 4096:
+        bound = 5.0 if tokens <= 128 else 3.0
+        note = ""
+        if chain_e2e and roof_us and chain_e2e / roof_us < bound:
+            note = f"the chain takes {chain_e2e / roof_us:.2f}x the roofline"
+        out.append(Criterion("x chain (e2e)", _ratio(chain_e2e, mine.get("e2e_us")), bound, note=note))
+    return out
+
+
+def _unreachable(c: Criterion) -> bool:
+    return bool(c.note) and c.met is False
+
+
+def evaluate(rows: list[dict]) -> list[dict]:
+    """One entry per case with a megamoe row: its criteria and whether all that can be judged are met."""
+    rows = [r for r in report.sorted_rows(rows)]
+    out = []
+    for key, by_path in report.rows_by_case(rows, ("megamoe", "sglang", "chain")).items():
+        cs = criteria(by_path)
+        if not cs:
+            continue
+        judged = [c for c in cs if c.met is not None]
+        out.append(dict(zip(report.CASE_KEYS, key), criteria=cs,
+                        met=bool(judged) and all(c.met or _unreachable(c) for c in judged),
+                        unreachable=any(_unreachable(c) for c in judged)))
+    return out
+
+
+def markdown(results: list[dict]) -> str:
+    if not results:
+        return ""
+    head = ["shape", "format", "routing", "tokens/rank", "criteria (measured, bound: verdict)", "all met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for e in results:
+        verdict = "yes" if e["met"] else "no"
+        if e["met"] and e["unreachable"]:
+            verdict = "yes, where the roofline allows"
+        lines.append("| " + " | ".join([str(e["shape"]), str(e["format"]), str(e["routing"]),
+                                         str(e["tokens_per_rank"]), "; ".join(c.cell() for c in e["criteria"]),
+                                         verdict]) + " |")
+    n_met = sum(e["met"] for e in results)
+    lines += ["", f"{n_met} of {len(results)} cases meet every criterion ({summary(results)})."]
+    return "\n".join(lines)
+
+
+def summary(results: list[dict]) -> str:
+    """Cases meeting every criterion per token bucket, e.g. "1: 0/12; 8-128: 9/24"."""
+    counts: dict[str, list[int]] = {}
+    for e in results:
+        c = counts.setdefault(bucket(e["tokens_per_rank"]) or "other", [0, 0])
+        c[0] += bool(e["met"])
+        c[1] += 1
+    return "; ".join(f"{b} tokens: {m}/{n}" for b, (m, n) in counts.items())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results")
+    args = ap.parse_args(argv)
+    rows, _ = report.load_rows(args.results)
+    print(markdown(evaluate(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
