@@ -136,13 +136,18 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
 
 
 def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
-    """One row per case: the slowest rank's time and, per phase, the largest over ranks."""
+    """One row per case: the slowest rank's time and, per phase, the largest over ranks (a skew or
+    imbalance between the ranks then shows in two phases: the early rank's barrier waits and the
+    late rank's work); `per_rank` keeps each rank's own time, phases and task counts."""
     cases: dict[tuple, dict] = {}
     for rows in rows_per_rank:
         for r in rows:
             key = (r["shape"], r["format"], r["tokens_per_rank"], r["variant"])
-            m = cases.setdefault(key, dict(r, phases_us=dict(r["phases_us"]), ranks=0))
+            m = cases.setdefault(key, dict(r, phases_us=dict(r["phases_us"]), ranks=0, per_rank=[]))
             m["ranks"] += 1
+            tasks = r.get("task_us") or {}
+            m["per_rank"].append(dict(rank=r.get("rank"), graph_us=r["graph_us"], phases_us=dict(r["phases_us"]),
+                                      l1_tasks=tasks.get("l1_tasks"), l2_tasks=tasks.get("l2_tasks")))
             if m["ranks"] > 1:  # each rank's output digest, in rank order
                 m["out_sha1"] = f"{m.get('out_sha1')},{r.get('out_sha1')}"
             m["graph_us"] = max(m["graph_us"], r["graph_us"])
@@ -173,6 +178,14 @@ def table(rows: list[dict]) -> str:
         cells += [f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES]
         cells.append(f"{r['rel_err_vs_first_variant']:.1e}")
         lines.append("  ".join(f"{c:>9}" for c in cells))
+    ranked = [r for r in rows if len(r.get("per_rank") or []) > 1]
+    if ranked:  # each rank's own phases: which rank waited in a barrier and which one worked
+        lines += ["", f"{'phases per rank (us):':<29}" + "  ".join(f"{p[0]:>9}" for p in PHASES) + "  graph us  tasks L1/L2"]
+        for r in ranked:
+            for pr in r["per_rank"]:
+                lines.append(_row_label(r) + f"r{pr['rank']} " + "  ".join(
+                    f"{pr['phases_us'].get(p[0], float('nan')):9.0f}" for p in PHASES)
+                    + f"  {pr['graph_us']:8.0f}  {pr.get('l1_tasks') or 0:.0f}/{pr.get('l2_tasks') or 0:.0f}")
     spans = [r for r in rows if r.get("task_us")]
     if spans:  # an average task's spans (phase_clock.task_spans)
         keys = ("l1_gemm", "l1_epilogue", "l1_between", "l2_wait", "l2_gemm", "l2_epilogue", "l2_between")

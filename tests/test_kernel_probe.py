@@ -46,6 +46,10 @@ def test_merge_takes_the_slowest_rank():
     assert (m["graph_us"], m["phases_us"]["L1"], m["ranks"], m["clock_total_us"]) == (100.0, 55.0, 2, 95.0)
     assert m["out_sha1"] == "digest0,digest1"
     assert "rank" not in m and "graph us" in kp.table(merged)
+    # each rank's own figures are kept, in rank order, and printed one line per rank
+    assert [(pr["rank"], pr["graph_us"], pr["phases_us"]["L1"]) for pr in m["per_rank"]] == [(0, 100.0, 40.0), (1, 90.0, 55.0)]
+    lines = [line for line in kp.table(merged).splitlines() if " r0 " in line or " r1 " in line]
+    assert len(lines) == 2 and lines[0].split()[4:6] == ["nan", "nan"] and "40" in lines[0] and "55" in lines[1]
 
 
 def test_merge_sums_task_counts_and_keeps_the_slower_spans():
