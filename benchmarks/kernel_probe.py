@@ -31,7 +31,9 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
          # tma_warm, narrow, half_rows; wrong outputs)
          "ablate": "VLLM_MEGAMOE_SM90_ABLATE",
          # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
-         "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE"}
+         "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",
+         # which of a CTA's L1 tasks a trace build traces (default 2; 0 at a few tokens per rank)
+         "trace_task": "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK"}
 
 
 def variant_env(variant: str) -> dict:

@@ -7,7 +7,8 @@
 #                (benchmarks/kernel_probe.py); feed the JSON to `python -m benchmarks.tune_sm90`
 #                for configs/sm90_mega_moe.yaml
 #   STEP=decode  1 and 8 tokens per rank, the three shapes: per-phase times of each rank (which rank
-#                waits in a barrier, which one works) next to 5 stages, 2 GPUs
+#                waits in a barrier, which one works) next to 5 stages and the chunk trace of each
+#                CTA's first L1 task (what a K chunk waits for when a CTA runs one task), 2 GPUs
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
 #   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_ACTIVATION / _REDUCE=triton: tests and timing
@@ -62,7 +63,7 @@ case "${STEP:-verify}" in
       --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
   decode)   # ~3 min: where a handful of tokens per rank spends its time, per rank (kernel_probe per_rank)
     timeout 240 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
-      --tokens ${TOKENS:-1 8} --variants ${VARIANTS:-default stages=5} --out "$OUT/probe_decode.json" 2>&1 | tail -40 ;;
+      --tokens ${TOKENS:-1 8} --variants ${VARIANTS:-default stages=5 trace=1,trace_task=0} --out "$OUT/probe_decode.json" 2>&1 | tail -50 ;;
   bench)
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1

@@ -241,6 +241,33 @@ def test_profiling_builds_are_opt_in(monkeypatch, var, good, define, value, bad)
     assert sm90_mega_moe.kernel_spec(shape, buf) == plain
 
 
+def test_chunk_trace_task_is_chosen_per_build(monkeypatch):
+    """VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK picks the traced L1 task of a trace build (default
+    phase_clock.TRACE_TASK), is a separate build per task, is ignored without the trace, and a bad
+    value is refused with the variable's name."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import phase_clock, sm90_mega_moe
+
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    buf = _Buf()
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK", "0")
+    assert "MEGAMOE_TRACE_TASK" not in dict(sm90_mega_moe.kernel_spec(shape, buf).defines)  # no trace: no effect
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1")
+    first = sm90_mega_moe.kernel_spec(shape, buf)
+    assert dict(first.defines)["MEGAMOE_TRACE_TASK"] == "0"
+    monkeypatch.delenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK")
+    default = sm90_mega_moe.kernel_spec(shape, buf)
+    assert dict(default.defines)["MEGAMOE_TRACE_TASK"] == str(phase_clock.TRACE_TASK) and default != first
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK", bad)
+        with pytest.raises(ValueError, match=f"VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK={bad!r}"):
+            sm90_mega_moe.kernel_spec(shape, buf)
+
+
 def test_ablation_bits_match_the_kernel():
     """The op's ablation names and bits are config.cuh's kAblate* constants (and the preprocessor
     test of tma_warm in mainloop_smem.cuh uses the same bit)."""
@@ -331,7 +358,8 @@ def test_chunk_trace_constants_match_the_kernel():
     mega = jit.csrc_dir() / "sm90" / "mega"
     src = (mega / "phase_clock.cuh").read_text()
     consts = dict(re.findall(r"(kTrace\w+) = (\d+)", re.search(r"constexpr u32 kTraceTask[^;]*;", src).group(0)))
-    assert int(consts["kTraceTask"]) == phase_clock.TRACE_TASK
+    assert "kTraceTask = MEGAMOE_TRACE_TASK," in src
+    assert int(re.search(r"#define MEGAMOE_TRACE_TASK (\d+)", src).group(1)) == phase_clock.TRACE_TASK
     assert int(consts["kTraceFirstChunk"]) == phase_clock.TRACE_FIRST_CHUNK
     assert int(consts["kTraceChunks"]) == phase_clock.TRACE_CHUNKS
     assert int(consts["kTracePoints"]) == len(phase_clock.TRACE_POINTS) == len(phase_clock.TRACE_INTERVALS)

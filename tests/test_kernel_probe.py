@@ -12,6 +12,8 @@ def test_variants_map_to_the_kernel_knobs():
     assert kp.variant_env("mainloop=wgmma,stages=5") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "wgmma",
                                                         "VLLM_MEGAMOE_SM90_STAGES": "5"}
     assert kp.variant_env("trace=1") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1"}
+    assert kp.variant_env("trace=1,trace_task=0") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1",
+                                                      "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK": "0"}
     for bad in ("stages", "depth=3", "stages=", "stages=3,"):
         with pytest.raises(ValueError, match="variant"):
             kp.variant_env(bad)

@@ -20,7 +20,8 @@ SPANS = ("l1_loop", "l1_tasks", "l1_gemm", "l1_epilogue", "l2_loop", "l2_tasks",
 COLUMNS = len(MARKS) + len(SPANS)
 # Chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 builds; the constants of phase_clock.cuh, tested):
 # clock64 of lane 0 of each warp at TRACE_POINTS points of K chunks TRACE_FIRST_CHUNK.. of the
-# CTA's L1 task number TRACE_TASK, as [warp][chunk][point] after the marks and spans.
+# CTA's L1 task number TRACE_TASK (the default; VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK picks another),
+# as [warp][chunk][point] after the marks and spans.
 WARPS = 8
 TRACE_TASK, TRACE_FIRST_CHUNK, TRACE_CHUNKS = 2, 8, 5
 TRACE_POINTS = ("start", "landed", "g0_issued", "g1_prev_waited", "g1_prev_promoted", "barrier", "refill",

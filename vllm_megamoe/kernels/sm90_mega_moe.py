@@ -18,6 +18,7 @@ from ..buffer import SymmBuffer
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
+from .phase_clock import TRACE_TASK as DEFAULT_TRACE_TASK
 from .sm90_smem import SMEM_PER_BLOCK, TILE_ROWS, mainloop_smem_bytes, static_smem_bytes
 from .sm90_tuning import TMA_MAINLOOPS, WGMMA_MAINLOOPS, Choice
 
@@ -76,10 +77,12 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
+    trace_task = chunk_trace_task_from_env() if trace else None
+    key = (shape, choice, ablate, trace, trace_task)
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
-    if (shape, choice, ablate, trace) not in cache:
-        cache[(shape, choice, ablate, trace)] = _make_spec(shape, buffer, choice, ablate, trace)
-    return cache[(shape, choice, ablate, trace)]
+    if key not in cache:
+        cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task)
+    return cache[key]
 
 
 # Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows
@@ -115,8 +118,19 @@ def chunk_trace_from_env() -> bool:
     return raw == "1"
 
 
+def chunk_trace_task_from_env() -> int:
+    """Which of a CTA's L1 tasks a chunk-trace build traces (counted from 0):
+    VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK, default kernels.phase_clock.TRACE_TASK (2: past the first
+    tasks' start-up at prefill); 0 at a few tokens per rank, where a CTA runs one L1 task."""
+    raw = os.environ.get("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK", "")
+    if not raw:
+        return DEFAULT_TRACE_TASK
+    require(raw.isdigit(), f"VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK={raw!r} must be a task number (0, 1, 2, ...)")
+    return int(raw)
+
+
 def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0,
-               trace: bool = False) -> jit.KernelSpec:
+               trace: bool = False, trace_task: Optional[int] = None) -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     require(sm90_tuning.tile_supported(fmt, choice.tile),
             "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
@@ -141,7 +155,8 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
     if trace:
         logger.warning("VLLM_MEGAMOE_SM90_CHUNK_TRACE=1: profiling build, it writes clock values inside the K loop "
                        "when called with a phase clock")
-        defines.update(MEGAMOE_CHUNK_TRACE=1)
+        defines.update(MEGAMOE_CHUNK_TRACE=1,
+                       MEGAMOE_TRACE_TASK=DEFAULT_TRACE_TASK if trace_task is None else trace_task)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 
 

@@ -43,7 +43,8 @@ constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
 
 // Chunk trace (MEGAMOE_CHUNK_TRACE builds, profiling; VLLM_MEGAMOE_SM90_CHUNK_TRACE=1): lane 0 of
 // every warp writes clock64 at kTracePoints points of K chunks kTraceFirstChunk.. of its CTA's
-// L1 task number kTraceTask (counted from 0; the lagged FP8 loop only), after the marks and spans:
+// L1 task number kTraceTask (counted from 0, MEGAMOE_TRACE_TASK: 0 at a few tokens per rank, where
+// a CTA runs one L1 task; the lagged FP8 loop only), after the marks and spans:
 // where in a chunk each warp waits, which the spans (whole K loops) and the ablations (whole
 // parts of the loop removed) cannot say. Points, in loop order: chunk start, stage landed, g0(c)
 // issued, g1(c - 1) waited for, g1(c - 1) promoted, past the CTA barrier, refill issued, g1(c)
@@ -51,7 +52,10 @@ constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
 #ifndef MEGAMOE_CHUNK_TRACE
 #define MEGAMOE_CHUNK_TRACE 0
 #endif
-constexpr u32 kTraceTask = 2, kTraceFirstChunk = 8, kTraceChunks = 5, kTracePoints = 9;
+#ifndef MEGAMOE_TRACE_TASK
+#define MEGAMOE_TRACE_TASK 2
+#endif
+constexpr u32 kTraceTask = MEGAMOE_TRACE_TASK, kTraceFirstChunk = 8, kTraceChunks = 5, kTracePoints = 9;
 constexpr int kChunkTraceColumns = MEGAMOE_CHUNK_TRACE ? kNumWarps * kTraceChunks * kTracePoints : 0;
 constexpr int kPhaseClockStride = kPhaseClockColumns + kChunkTraceColumns;  // int64 columns per CTA row
 
