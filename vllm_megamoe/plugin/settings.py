@@ -28,6 +28,13 @@ def _positive_int(v: Any) -> int:
     return n
 
 
+def _non_negative_int(v: Any) -> int:
+    n = int(str(v).strip())
+    if n < 0:
+        raise ValueError("must be 0 or a positive integer")
+    return n
+
+
 def _positive_float(v: Any) -> float:
     x = float(str(v).strip())
     if not x > 0:
@@ -133,6 +140,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "Profiling only: SM90 builds whose FP8 K loop records clock values into a phase clock "
         "(benchmarks/kernel_probe.py trace=1); serving passes no clock, so it only adds instructions.",
         core_env=True),
+    Key("sm90_chunk_trace_task", _non_negative_int, None,
+        "Profiling only: which of a CTA's L1 tasks a chunk-trace build traces, counted from 0 (default "
+        "2; 0 at a few tokens per rank, where a CTA runs one L1 task).", core_env=True),
 )}
 
 
