@@ -587,6 +587,11 @@ def main(argv=None) -> int:
         if doc.get("ceilings"):
             print(C.describe(doc["ceilings"]))
         print(report.text_table(rows))
+        from benchmarks import targets
+        checked = targets.evaluate(rows)
+        if checked:  # the fused kernel's targets, where the file has its kernel times
+            print("\nThe fused kernel against its targets (benchmarks/targets.py):")
+            print(targets.markdown(checked))
         if not args.no_plots:
             from benchmarks import plots
             out_dir = args.plots_dir or os.path.dirname(os.path.abspath(args.report))

@@ -132,3 +132,16 @@ def test_failed_or_absent_megamoe_rows_give_no_verdict():
 def test_buckets():
     assert [targets.bucket(t) for t in (1, 2, 8, 128, 256, 512, 2048, 4096, 8192, 16384)] == \
         ["1", None, "8-128", "8-128", None, "512-2048", "512-2048", "4096-8192", "4096-8192", None]
+
+
+def test_bench_report_prints_the_targets(tmp_path, capsys):
+    import json
+
+    from benchmarks import bench
+    rows = _case(8, 100.0, 95.0, sglang=120.0, chain=600.0) + _case(1, 70.0, 40.0, chain=900.0)
+    for r in rows:
+        r.setdefault("e2e_us", r.get("kernel_us"))
+    (tmp_path / "r.json").write_text(json.dumps({"env": {}, "args": {}, "ceilings": {}, "rows": rows, "errors": []}))
+    assert bench.main(["--report", str(tmp_path / "r.json"), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "against its targets" in out and "1 of 2 cases meet every criterion" in out
