@@ -77,7 +77,7 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
-    trace_task = chunk_trace_task_from_env() if trace else None
+    trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
     key = (shape, choice, ablate, trace, trace_task)
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
@@ -130,7 +130,7 @@ def chunk_trace_task_from_env() -> int:
 
 
 def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0,
-               trace: bool = False, trace_task: Optional[int] = None) -> jit.KernelSpec:
+               trace: bool = False, trace_task: int = DEFAULT_TRACE_TASK) -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     require(sm90_tuning.tile_supported(fmt, choice.tile),
             "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
@@ -155,8 +155,7 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
     if trace:
         logger.warning("VLLM_MEGAMOE_SM90_CHUNK_TRACE=1: profiling build, it writes clock values inside the K loop "
                        "when called with a phase clock")
-        defines.update(MEGAMOE_CHUNK_TRACE=1,
-                       MEGAMOE_TRACE_TASK=DEFAULT_TRACE_TASK if trace_task is None else trace_task)
+        defines.update(MEGAMOE_CHUNK_TRACE=1, MEGAMOE_TRACE_TASK=trace_task)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines)
 
 
