@@ -22,6 +22,9 @@
 #                ablations (tma / mma / both) and optionally another commit's sources
 #   STEP=ab      kernel tests of this tree (SANITIZE=1: then memcheck and racecheck), then the same
 #                kernel_probe of this tree and of other csrc trees (BASES) side by side
+#   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
+#                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
+#                kernel_probe A/B against BASES at EP1, then memcheck and racecheck, within BUDGET s
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -129,6 +132,22 @@ case "${STEP:-verify}" in
         --shapes ${SHAPES:-v4-flash deepseek-v3} --tokens ${TOKENS:-1024 8192} --variants ${VARIANTS:-default} \
         --out "$OUT/probe_$(basename "$b").json" 2>&1 | tail -16
     done ;;
+  one_gpu)  # ~9 min on one H200: what a change needs before it merges when no second GPU is lent
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
+    timeout 170 python3 -m pytest $T -o timeout=160 tests/gpu/test_sm90_mega_moe.py -k one_gpu > "$OUT/kernel_tests_1gpu.log" 2>&1
+    tail -2 "$OUT/kernel_tests_1gpu.log"
+    # the same GPU time-slices the ranks' kernels: a short kernel timeout keeps a stuck wait short
+    MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 timeout 150 python3 -m pytest $T -o timeout=140 \
+      tests/gpu/test_sm90_mega_moe.py -k "${SHARED_TESTS:-(multi_gpu and small and fp8) or back_to_back_calls_multi or missing_peer or (cuda_graph_multi and fp8)}" \
+      > "$OUT/kernel_tests_shared.log" 2>&1
+    tail -2 "$OUT/kernel_tests_shared.log"
+    for b in . ${BASES:-}; do
+      [ "$(left)" -gt 100 ] || break
+      VLLM_MEGAMOE_CSRC_DIR="$b/csrc" timeout 90 python3 -m benchmarks.kernel_probe --gpus 1 \
+        --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants ${VARIANTS:-default} \
+        --out "$OUT/probe_1gpu_$(basename "$(realpath "$b")").json" 2>&1 | tail -12
+    done
+    L=$(left); [ "$L" -gt 60 ] && sanitize $(( L / 2 - 5 )) ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
             # each interval of a few K chunks of one L1 task per CTA (stage wait, wgmma issues and waits,
             # promotions, CTA barrier, refill), next to the untraced build, with and without copies
@@ -183,5 +202,5 @@ case "${STEP:-verify}" in
     cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
     python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
     head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac

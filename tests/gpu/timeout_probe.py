@@ -36,6 +36,8 @@ def _rank(rank, world, group, timeout_s):
 
 
 if __name__ == "__main__":
-    res = run_ranks(_rank, 2, (float(sys.argv[1]),), backend="nccl", timeout_s=180, allow_failures=True)
+    # argv: the kernel's timeout in seconds, then the group backend (gloo: both ranks on GPU 0)
+    backend = sys.argv[2] if len(sys.argv) > 2 else "nccl"
+    res = run_ranks(_rank, 2, (float(sys.argv[1]),), backend=backend, timeout_s=180, allow_failures=True)
     print("RANK0_FAILED" if isinstance(res[0], RankFailed) else f"RANK0_OK {res[0]}", flush=True)
     print(res[0])
