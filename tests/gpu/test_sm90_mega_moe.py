@@ -11,7 +11,8 @@ from vllm_megamoe.launch import run_ranks
 
 from mega_cases import SHAPES, assert_rows, run_cases
 
-pytestmark = pytest.mark.gpu
+# shares_gpu: the multigpu tests here can run with their ranks on one GPU (SHARED_GPU below)
+pytestmark = [pytest.mark.gpu, pytest.mark.shares_gpu]
 
 
 def _is_sm90():
