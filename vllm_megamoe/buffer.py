@@ -7,6 +7,12 @@ Backends (chosen by `backend="auto"`):
 - "local": one rank; a plain tensor on `device`.
 - "cuda":  torch symmetric memory (`empty` + `rendezvous`) on the group; peers are NVLink/P2P
            pointers. Ranks must be on one host with peer access between all GPUs.
+- "cuda-ipc": ranks that share GPUs (several processes on one GPU, e.g. the multi-rank kernel
+           tests on a machine with one GPU): a plain allocation per rank whose CUDA IPC handle
+           (torch's tensor sharing) goes to every peer over the group; barriers are host-side
+           (synchronize, then the group's barrier), so a call that needs one cannot be captured in
+           a CUDA graph. "auto" and "cuda" switch to it when two ranks name the same GPU, since
+           symmetric memory refuses that.
 - "cpu":   POSIX shared memory. Each rank creates a file under /dev/shm named
            `vllm_megamoe-<job token>-r<rank>-p<pid>`, maps every peer's file, and unlinks its own
            as soon as all ranks have mapped it (the mapping stays valid); the constructor returns
@@ -36,7 +42,7 @@ from .shape import MoEShape, require
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "local", "cuda", "cpu")
+BACKENDS = ("auto", "local", "cuda", "cuda-ipc", "cpu")
 SHM_PREFIX = "vllm_megamoe-"
 
 
@@ -69,14 +75,14 @@ class SymmBuffer:
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         require(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be positive")
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu"))
+            torch.device("cuda", torch.cuda.current_device()) if backend.startswith("cuda") else torch.device("cpu"))
         if backend == "auto":
             backend = "local" if self.num_ranks == 1 else (
                 "cuda" if self.device.type == "cuda" else "cpu")
         require(backend != "local" or self.num_ranks == 1,
                 f"backend='local' serves one rank; this group has {self.num_ranks}")
-        require(backend != "cuda" or self.device.type == "cuda",
-                f"backend='cuda' needs a CUDA device, got device={self.device}")
+        require(not backend.startswith("cuda") or self.device.type == "cuda",
+                f"backend={backend!r} needs a CUDA device, got device={self.device}")
         require(backend != "cpu" or self.device.type == "cpu",
                 f"backend='cpu' keeps the buffer in host shared memory; got device={self.device}")
         self.backend = backend
@@ -85,7 +91,7 @@ class SymmBuffer:
         self._peer_buffers: list[torch.Tensor] = []
         self._views: dict = {}
         self._barrier_count = 0
-        getattr(self, f"_create_{backend}")()
+        getattr(self, f"_create_{backend.replace('-', '_')}")()
         self.buffer = self._peer_buffers[self.rank]
         logger.info("megamoe: SymmBuffer %s backend, rank %d/%d, %.1f MiB per rank",
                     backend, self.rank, self.num_ranks, self.layout.total_bytes / 2**20)
@@ -121,7 +127,12 @@ class SymmBuffer:
 
     def _create_cuda(self):
         import torch.distributed._symmetric_memory as symm_mem
-        self._check_peer_access()
+        if self._check_peer_access():
+            logger.warning("megamoe: EP ranks share a GPU; SymmBuffer uses CUDA IPC handles and host "
+                           "barriers (backend 'cuda-ipc': for tests, not for serving)")
+            self.backend = "cuda-ipc"
+            self._create_cuda_ipc()
+            return
         buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._handle = symm_mem.rendezvous(buf, self.group)
         buf.zero_()
@@ -131,7 +142,20 @@ class SymmBuffer:
         torch.cuda.synchronize(self.device)
         self.barrier("create")
 
-    def _check_peer_access(self):
+    def _create_cuda_ipc(self):
+        from torch.multiprocessing.reductions import reduce_tensor
+        self._check_peer_access()
+        buf = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        torch.cuda.synchronize(self.device)
+        handles = [None] * self.num_ranks
+        dist.all_gather_object(handles, reduce_tensor(buf), group=self.group)
+        # A process cannot open its own IPC handle: its own entry stays the tensor itself.
+        self._peer_buffers = [buf if r == self.rank else rebuild(*args)
+                              for r, (rebuild, args) in enumerate(handles)]
+        self.barrier("create")
+
+    def _check_peer_access(self) -> bool:
+        """Raise unless every rank can reach every other rank's GPU; True if two ranks share one."""
         me = (socket.gethostname(), self.device.index)
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, me, group=self.group)
@@ -150,6 +174,7 @@ class SymmBuffer:
                         f"rank {self.rank} (cuda:{self.device.index}) cannot access rank {r}'s "
                         f"GPU (cuda:{dev}) directly: megamoe needs NVLink/P2P between all EP "
                         "ranks. Check `nvidia-smi topo -m`, or use another --moe-backend.")
+        return len({dev for _, dev in everyone}) < self.num_ranks
 
     def _unlink_own_file(self):
         if self._shm_path is not None:
@@ -197,6 +222,8 @@ class SymmBuffer:
             # Device-side barrier on the stream: capturable, no host sync. It traps on timeout.
             self._handle.barrier(channel=0, timeout_ms=int(self.timeout_s * 1000))
             return
+        if self.backend == "cuda-ipc":
+            torch.cuda.synchronize(self.device)  # this rank's writes land before a peer reads them
         try:
             dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s),
                                    wait_all_ranks=True)

@@ -238,7 +238,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     require(ok, f"the SM90 mega kernel does not support this layer: {why}")
     require(x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9,
             f"the SM90 mega kernel needs a Hopper GPU; x is on {x.device}")
-    require(buffer.backend in ("cuda", "local") and buffer.device == x.device,
+    require(buffer.backend in ("cuda", "cuda-ipc", "local") and buffer.device == x.device,
             f"the SymmBuffer must live on {x.device} (it is a {buffer.backend!r} buffer on {buffer.device})")
     kw = prepare_weights(weights)
     x = x.to(torch.bfloat16).contiguous()
