@@ -364,10 +364,11 @@ def test_chunk_trace_constants_match_the_kernel():
     assert int(consts["kTraceChunks"]) == phase_clock.TRACE_CHUNKS
     assert int(consts["kTracePoints"]) == len(phase_clock.TRACE_POINTS) == len(phase_clock.TRACE_INTERVALS)
     assert f"kNumWarps = {phase_clock.WARPS};" in (mega / "config.cuh").read_text()
-    # every point is written once, in order, in the lagged K loop
-    loop = (mega / "mainloop_smem.cuh").read_text()
-    assert [int(i) for i in re.findall(r"trace_point\(trace, c, (\d+)\)", loop)] == list(
-        range(len(phase_clock.TRACE_POINTS)))
+    # every point is written once, in order, in each lagged K loop (swap-AB and register tokens)
+    for header in ("mainloop_smem.cuh", "k_loop_register_tokens.cuh"):
+        loop = (mega / header).read_text()
+        assert [int(i) for i in re.findall(r"trace_point\(trace, c, (\d+)\)", loop)] == list(
+            range(len(phase_clock.TRACE_POINTS))), header
 
 
 def test_chunk_trace_intervals():

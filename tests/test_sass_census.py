@@ -84,4 +84,37 @@ def test_the_fp8_k_loop_issues_two_groups_of_four_wgmmas_per_chunk():
     found = sass_census.wgmma_loops(ins)
     k_loops = [lp for lp in found if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in found)]
     per_loop = {sass_census.census(lp.body(ins))["QGMMA"] for lp in k_loops}
-    assert per_loop == {8}, per_loop  # 2 m64 groups x 4 k-steps of 32 bytes, in every K loop (L1, L2, full, narrow)
+    assert per_loop == {8}, per_loop  # 2 groups x 4 k-steps of 32 bytes, in every K loop (L1, L2, full, narrow)
+    # one wait per group, none between a group's k-steps (a silently serialised loop waits after each)
+    waits = {sum("DEPBAR" in i.opcode for i in lp.body(ins)) for lp in k_loops}
+    assert waits == {2}, waits
+    # the full tasks' loops take the tokens from registers (ldmatrix), the narrow ones from shared memory
+    register_a = [any(i.base == "LDSM" for i in lp.body(ins)) for lp in k_loops]
+    assert any(register_a) and not all(register_a), register_a
+
+
+@pytest.mark.skipif(not _have_tools(), reason="needs nvdisasm and NVRTC")
+@pytest.mark.parametrize("build", ["v4-flash:fp8-block:64", "qwen3-30b-a3b:fp8-block:64"])
+def test_register_token_loops_reload_only_with_nothing_in_flight(build):
+    """The register-token K loops write their fragment registers (the ldmatrix destinations that
+    both groups' wgmmas read) only between the loop's wait for all groups and its first wgmma: a
+    group starting while the fragment is reloaded comes out wrong (tests/gpu/test_wgmma_rs.py)."""
+    import re
+    cubin, _ = sass_census.compile_build(build)
+    ins = sass_census.parse(sass_census.disassemble(cubin))
+    loops = [lp for lp in sass_census.wgmma_loops(ins) if any(i.base == "LDSM" for i in lp.body(ins))
+             and sass_census.census(lp.body(ins))["QGMMA"] == 8]
+    assert len(loops) >= 2  # L1 and L2 (inlined at each call site)
+    for lp in loops:
+        body = lp.body(ins)
+        frag = {int(re.match(r"LDSM\S*\s+R(\d+)", i.text).group(1)) + j for i in body if i.base == "LDSM" for j in range(4)}
+        qgmma = [k for k, i in enumerate(body) if i.base == "QGMMA"]
+        reads = {int(re.match(r"QGMMA\S*\s+R\d+,\s*R(\d+),", body[k].text).group(1)) + j for k in qgmma for j in range(4)}
+        assert len(frag) == 16 and reads == frag
+        waits_all = [k for k, i in enumerate(body) if i.text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0")]
+        assert waits_all, f"{lp.label}: no wait for all groups before the reload"
+        wait_all = waits_all[0]
+        for k, i in enumerate(body):
+            m = re.match(r"(?:@!?U?P\w+\s+)?[A-Z][\w.]*\s+R(\d+)\b", i.text)
+            if m and i.base not in ("QGMMA", "STS", "STG", "ST", "STL", "BRA") and int(m.group(1)) in frag:
+                assert wait_all < k < qgmma[0], f"{lp.label}: {i.text} writes the fragment while a group may run"

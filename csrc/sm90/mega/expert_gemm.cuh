@@ -9,7 +9,7 @@
 #include "block_ready.cuh"
 #include "conv.cuh"
 #include "dispatch.cuh"
-#include "mainloop_smem.cuh"
+#include "cta_gemm.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
 #include "phase_clock.cuh"
@@ -147,6 +147,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
                                     TaskClock& clock) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
+  constexpr bool kRegTok = kRegisterTokens && kN == kTileTokens;  // acc in the register-token map
   const u32 wt = at.tile;
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
@@ -162,41 +163,64 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   span_end(p, clock, kSpanL1Gemm);
 
-  // SwiGLU: fragment rows g (gate) and g + 8 (up) of each m16 tile are the same channel. The
-  // activation replaces the gate value in acc (a separate array spills with 128-token tiles).
-  // The top-k weight multiplies in after the amax: |s x w| rounds monotonically, so the token's
-  // amax of s x w is its amax of s times |w|, exactly.
-  float tok_amax[kNTiles][2];
+  // SwiGLU: the gate and up rows of a channel sit in the same thread (swap-AB: fragment rows g and
+  // g + 8 of each m16 tile; register tokens: n8 column blocks 2 m and 2 m + 1). The activation
+  // replaces the gate value in acc (a separate array spills with 128-token tiles). The top-k
+  // weight multiplies in after the amax: |s x w| rounds monotonically, so the token's amax of
+  // s x w is its amax of s times |w|, exactly.
+  const auto swiglu = [&](float& gate_io, float up_in) {
+    float gate = round_bf16(gate_io), up = round_bf16(up_in);
+    if (p.has_clamp) {
+      gate = fminf(gate, p.clamp);
+      up = fminf(fmaxf(up, -p.clamp), p.clamp);
+    }
+    gate_io = silu(gate) * up;
+    return fabsf(gate_io);
+  };
+  if (threadIdx.x < kN) smem.weight[threadIdx.x] = my_weight;
+  if constexpr (kRegTok) {
+    float tok_amax[2] = {0.0f, 0.0f};  // the thread's token rows lo / hi
 #pragma unroll
-  for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
+    for (u32 mt = 0; mt < 2; ++mt) {
+      float(&v)[32] = *reinterpret_cast<float(*)[32]>(&acc.v[mt][0][0]);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      tok_amax[nt][j] = 0.0f;
+      for (u32 m = 0; m < 4; ++m)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        float gate = round_bf16(acc.v[mt][nt][j]), up = round_bf16(acc.v[mt][nt][2 + j]);
-        if (p.has_clamp) {
-          gate = fminf(gate, p.clamp);
-          up = fminf(fmaxf(up, -p.clamp), p.clamp);
-        }
-        const float v = silu(gate) * up;
-        acc.v[mt][nt][j] = v;
-        tok_amax[nt][j] = fmaxf(tok_amax[nt][j], fabsf(v));
+        for (u32 k = 0; k < 4; ++k) tok_amax[k / 2] = fmaxf(tok_amax[k / 2], swiglu(v[8 * m + k], v[8 * m + 4 + k]));
+    }
+    if constexpr (kFP8) {
+      // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below) the two warpgroups.
+#pragma unroll
+      for (u32 h = 0; h < 2; ++h) {
+        float m = tok_amax[h];
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        if (t4 == 0) smem.amax[warp / 4][register_tokens_token(2 * h)] = m;
       }
     }
-  if (threadIdx.x < kN) smem.weight[threadIdx.x] = my_weight;
-  if constexpr (kFP8) {
-    // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
+  } else {
+    float tok_amax[kNTiles][2];
 #pragma unroll
-    for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
+    for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float m = tok_amax[nt][j];
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-        if (g == 0) smem.amax[warp][nt * 8 + 2 * t4 + j] = m;
+      for (u32 j = 0; j < 2; ++j) {
+        tok_amax[nt][j] = 0.0f;
+#pragma unroll
+        for (u32 mt = 0; mt < 2; ++mt) tok_amax[nt][j] = fmaxf(tok_amax[nt][j], swiglu(acc.v[mt][nt][j], acc.v[mt][nt][2 + j]));
       }
+    if constexpr (kFP8) {
+      // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
+#pragma unroll
+      for (u32 nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (u32 j = 0; j < 2; ++j) {
+          float m = tok_amax[nt][j];
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+          if (g == 0) smem.amax[warp][nt * 8 + 2 * t4 + j] = m;
+        }
+    }
   }
   __syncthreads();
   if constexpr (kFP8) {
@@ -205,7 +229,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       const u32 tok = threadIdx.x;
       float m = 0.0f;
 #pragma unroll
-      for (u32 w = 0; w < kNumWarps; ++w) m = fmaxf(m, smem.amax[w][tok]);
+      for (u32 w = 0; w < (kRegTok ? 2 : kNumWarps); ++w) m = fmaxf(m, smem.amax[w][tok]);  // warpgroups or warps
       const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
       smem.inv_scale[tok] = 1.0f / scale;
       if (tok < t.num_rows)
@@ -214,25 +238,46 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     __syncthreads();
   }
   u8* tile = epilogue_tile(smem, mainloop, st);  // [tokens][128] fp8 / bf16, chunks permuted (epilogue_offset)
+  if constexpr (kRegTok) {
+    // A thread's gate columns come in pairs of adjacent channels: one 2-byte store per pair.
 #pragma unroll
-  for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const u32 tok = nt * 8 + 2 * t4 + j;
+    for (u32 h = 0; h < 2; ++h) {
+      const u32 tok = register_tokens_token(2 * h);
       const float w = smem.weight[tok];
-      const float inv_scale = kFP8 ? smem.inv_scale[tok] : 1.0f;  // read before the tile stores (may alias)
+      const float inv_scale = smem.inv_scale[tok];  // (the register-token loop is FP8 only)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
-        const float v = acc.v[mt][nt][j] * w;
-        const u32 at = epilogue_offset(tok, channel * kElemBytes, 128 * kElemBytes);
-        if constexpr (kFP8) {
-          tile[at] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
-        } else {
-          *reinterpret_cast<u16*>(tile + at) = f32_to_bf16(v);
+      for (u32 mt = 0; mt < 2; ++mt) {
+        const float(&v)[32] = *reinterpret_cast<const float(*)[32]>(&acc.v[mt][0][0]);
+#pragma unroll
+        for (u32 m = 0; m < 4; ++m) {
+          const u32 row = register_tokens_row(mt, 8 * m + 2 * h);  // a gate row: channel = row / 16 x 8 + row % 8
+          const u32 channel = row / 16 * 8 + row % 8;
+          const float v0 = v[8 * m + 2 * h] * w, v1 = v[8 * m + 2 * h + 1] * w;
+          *reinterpret_cast<u16*>(tile + epilogue_offset(tok, channel, 128)) = f32x2_to_e4m3x2(v0 * inv_scale, v1 * inv_scale);
         }
       }
     }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const u32 tok = nt * 8 + 2 * t4 + j;
+        const float w = smem.weight[tok];
+        const float inv_scale = kFP8 ? smem.inv_scale[tok] : 1.0f;  // read before the tile stores (may alias)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
+          const float v = acc.v[mt][nt][j] * w;
+          const u32 at = epilogue_offset(tok, channel * kElemBytes, 128 * kElemBytes);
+          if constexpr (kFP8) {
+            tile[at] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
+          } else {
+            *reinterpret_cast<u16*>(tile + at) = f32_to_bf16(v);
+          }
+        }
+      }
+  }
   __syncthreads();
   // Coalesced 16-byte stores of the valid token rows.
   constexpr u32 kRowBytes = 128 * kElemBytes, kChunksPerRow = kRowBytes / 16;
@@ -274,6 +319,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
                                     const TaskCoord& at, const TaskOperands& op, const TaskCoord& next_at,
                                     bool stream_next, TaskClock& clock) {
   constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
+  constexpr bool kRegTok = kRegisterTokens && kN == kTileTokens;  // acc in the register-token map
   const u32 ht = at.tile;
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
@@ -285,7 +331,8 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kInter, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL2Gemm);
-  // Rounded to BF16 pairs first: half the registers stay live through the passes' stores.
+  // Rounded to BF16 pairs first: half the registers stay live through the passes' stores. A pair
+  // is two tokens of one channel (swap-AB) or two adjacent channels of one token (register tokens).
   u32 out[2][kNTiles][2];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -294,6 +341,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
+  static_assert(!kRegTok || kN == kL2PassTokens, "the register-token map takes one pass");
   u8* tile = epilogue_tile(smem, mainloop, st);  // [pass tokens][256 channels] bf16, chunks permuted (epilogue_offset)
   constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
   constexpr u32 kPassTiles = kPassTokens / 8;
@@ -301,17 +349,29 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   for (u32 pass = 0; pass < kN / kPassTokens; ++pass) {
     const u32 pass_tok0 = pass * kPassTokens;
     if (pass_tok0 >= t.num_rows) break;  // uniform over the CTA
+    if constexpr (kRegTok) {
+      // out[mt][n8 column block][token row lo / hi]: channels register_tokens_row(mt, 4 nt) and + 1
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (u32 mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (u32 pt = 0; pt < kPassTiles; ++pt)
+        for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
-          const u32 tok = pt * 8 + 2 * t4 + (j & 1);
-          *reinterpret_cast<u16*>(tile + epilogue_offset(tok, channel * 2, kTileRows * 2)) =
-              static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
-        }
+          for (u32 h = 0; h < 2; ++h)
+            *reinterpret_cast<u32*>(tile + epilogue_offset(register_tokens_token(2 * h), register_tokens_row(mt, 4 * nt) * 2,
+                                                           kTileRows * 2)) = out[mt][nt][h];
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (u32 pt = 0; pt < kPassTiles; ++pt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
+            const u32 tok = pt * 8 + 2 * t4 + (j & 1);
+            *reinterpret_cast<u16*>(tile + epilogue_offset(tok, channel * 2, kTileRows * 2)) =
+                static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
+          }
+    }
     __syncthreads();
     // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank;
     // lane i loads the (rank, token, slot) of the warp's i-th row up front, one load in flight per lane.

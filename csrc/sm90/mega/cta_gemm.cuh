@@ -1,0 +1,92 @@
+// The whole K loop of one task in the shared-memory mainloops: the FP8 scale tables staged, the
+// first chunks issued, the loop that fits the build (mainloop_smem.cuh's swap-AB loops, or the
+// register-token loop of the 64-token FP8 prefill tiles), and the stream into the next task.
+#pragma once
+#include "k_loop_register_tokens.cuh"
+#include "mainloop_smem.cuh"
+
+namespace megamoe::mega {
+
+// acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
+MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
+  if constexpr (!kFP8) {
+    if constexpr (kWgmma) wgmma_chunk<kDeferWgmmaWait ? 1 : 0>(acc, sm, stage);
+    else mma_chunk(acc, sm, stage, ntiles);
+  } else if constexpr (kWgmma) {
+    wgmma_chunk_promote_overlapped(acc, sm, stage, c);
+  } else {
+    WarpAcc part;
+    part.zero();
+    mma_chunk(part, sm, stage, ntiles);
+    PromoteScales<> scales;
+    load_promote_scales(scales, sm, c);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) promote_tile(acc.v[mt], &part.v[mt][0][0], scales);
+  }
+}
+
+// FP8: the task's scale tables into shared memory (from the registers the previous task filled,
+// or loaded now), and the next task's into registers while this one's K loop runs.
+template <u32 K>
+MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
+                                      const TaskOperands* next) {
+  constexpr u32 KB = K / kScaleBlock;
+  if (TaskScaleRegs<KB>::kPrefetch && st.scales_prefetched) store_task_scale_regs<KB>(sm, st.next_scales);
+  else load_task_scales<KB>(sm, cur);
+  st.scales_prefetched = TaskScaleRegs<KB>::kPrefetch && next != nullptr;
+  if (st.scales_prefetched) load_task_scale_regs<KB>(st.next_scales, *next);  // in flight through the K loop
+}
+
+// The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
+// `next` (or nullptr): the CTA's next task of the same phase; its first kAhead chunks are issued
+// during this task's last iterations, so the weight stream never drains between tasks (the
+// epilogue runs while they are in flight).
+// kN: the token columns computed (kTileTokens, or kNarrowTokens for a narrow task).
+template <u32 K, u32 kN = kTileTokens>
+MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
+                             const TaskOperands* next, const Params& p) {
+  static_assert(K / kScaleBlock <= kMaxKBlocks, "scale table too small");
+  static_assert(kN == kTileTokens || kNarrowTasks, "only the lagged FP8 loop computes narrow tasks");
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  constexpr u32 kAhead = kDeferWgmmaWait ? S - 2 : S - 1;  // chunks in flight past the one computed
+  if (kChunks < kAhead) next = nullptr;  // too short to stream on: every task fills its own stages
+  const u32 ntiles = (cur.rows.num_rows + 7) / 8;
+  if constexpr (!kLagPromotion) acc.zero();
+  if (!st.prefetched) {
+#pragma unroll
+    for (u32 s = 0; s < kAhead; ++s) {
+      if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur);
+      cp_async_commit();
+    }
+  }
+  if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next);  // visible to every thread after the first chunk's barrier
+#if MEGAMOE_SMEM_MAINLOOP == 3
+  if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p);  // zeroes acc
+  else if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p);  // zeroes acc itself
+  else
+#endif
+  for (u32 c = 0; c < kChunks; ++c) {
+#if MEGAMOE_SMEM_MAINLOOP == 3
+    wait_stage(&sm.full[(st.seq + c) % S], (st.seq + c) % S, (st.seq + c) / S, p, st.phase);
+#else
+    cp_async_wait<S - 2>();
+    if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
+#endif
+    __syncthreads();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
+    load_chunk_ahead<K>(sm, st, c + kAhead, cur, next);
+    cp_async_commit();
+    chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
+  }
+  if constexpr (kDeferWgmmaWait) {  // the last chunk's wgmmas, before the epilogue reads acc
+    wgmma_wait_group<0>();
+    fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
+    fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]));
+  }
+  st.seq += kChunks;
+  st.prefetched = next != nullptr;
+  if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
+  __syncthreads();  // every warp is done with this task's stages and scale tables
+}
+
+}  // namespace megamoe::mega

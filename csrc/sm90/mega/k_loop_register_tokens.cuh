@@ -1,0 +1,152 @@
+// The FP8 K loop of the 64-token prefill tiles with the tokens on the wgmma's M side, loaded
+// from the stage into registers once per chunk and warpgroup (ldmatrix), and the weight rows on
+// N through descriptors: m64n64 register-A wgmmas, two weight-row groups per warpgroup.
+// Why: the swap-AB loop (weights on M, k_loop_lagged_promotion) makes every m64 group re-read the
+// whole token tile from shared memory, 64 KB of operand reads per chunk, which is all of an SM's
+// shared-memory bandwidth for the tensor work; the TMA refills and the promotion's scale loads
+// then queue behind them. Here a chunk reads 48 KB, and the promotion needs 4 scale products per
+// thread instead of 32 (docs/kernel_notes.md v12: the probe's fused pattern with refill copies,
+// 921 -> 719 cycles per chunk).
+//
+// Accumulator map (group g of warpgroup w, thread lane l of warp q in the warpgroup): element i
+// of the m64n64 fragment is token 16 q + l / 4 + 8 ((i / 2) % 2) and weight row
+// 128 w + 64 g + 8 (i / 4) + 2 (l % 4) + i % 2 of the tile (accum_row / accum_col in wgmma.cuh,
+// with M = tokens). Stored in WarpAcc::v[g] flattened (the same 32 floats as the swap-AB fragment
+// of group g, another meaning): register_tokens_token / _row below say which.
+#pragma once
+#include "mainloop_smem.cuh"
+
+namespace megamoe::mega {
+
+// kRegisterTokens (mainloop_smem.cuh): full tasks (more than kNarrowTokens rows) run this loop;
+// narrow tasks keep the swap-AB loop with n32 wgmmas (M is 64 tokens here, it cannot shrink).
+constexpr u32 kRegisterTokensGroupRows = 64;  // weight rows (the wgmma N) per group
+
+// Element i of group g's fragment: its token (0..63) and weight row (0..255) in the CTA tile.
+MEGAMOE_DEVICE u32 register_tokens_token(u32 i) {
+  return 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4 + 8 * ((i / 2) % 2);
+}
+MEGAMOE_DEVICE u32 register_tokens_row(u32 g, u32 i) {
+  return 128 * (threadIdx.x / 128) + kRegisterTokensGroupRows * g + 8 * (i / 4) + 2 * (threadIdx.x % 4) + i % 2;
+}
+
+#if MEGAMOE_SMEM_MAINLOOP == 3
+// A chunk's 64 token rows x 128 K bytes as wgmma A fragments: one ldmatrix.x4 per k32 step.
+struct TokenFragment {
+  u32 r[kChunkBytes / 32][4];
+};
+
+MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage) {
+  const u32 tile = smem_addr(sm.b[stage]);
+#pragma unroll
+  for (u32 kk = 0; kk < kChunkBytes / 32; ++kk) load_a_fragment_fp8_sw128(a.r[kk], tile, kk);
+}
+
+// Group g (weight rows 128 w + 64 g ..) of a staged chunk into `part` (overwritten), committed.
+MEGAMOE_DEVICE void issue_register_tokens_group(float (&part)[kRegisterTokensGroupRows / 2], const MainloopSmem& sm,
+                                                u32 stage, u32 g, const TokenFragment& a) {
+  constexpr u32 kDescStep = 32 / 16;  // descriptors count 16-byte units
+  fence_accumulators(part);
+  wgmma_fence();  // part was read by the last promotion; a's ldmatrix results are in place
+  if (!(kAblate & kAblateMma) && !((kAblate & kAblateHalfRows) && g == 1)) {
+    const u64 desc = stage_desc_a(sm, stage, g);
+#pragma unroll
+    for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
+      WgmmaFp8E4M3Rs<kRegisterTokensGroupRows>::mma(a.r[kk], desc + kDescStep * kk, part, kk > 0);
+  }
+  wgmma_commit_group();
+}
+
+// A chunk's promotion scales: [weight rows of even / odd n8 column blocks][the thread's token row
+// lo / hi]. L1: even blocks are gate rows, odd ones up rows (gate / up interleaved by 8 rows,
+// transforms.py), w_scale[warp][0 / 1] their scale blocks; L2: both entries are the warpgroup's
+// 128-row scale block.
+struct RegisterTokenScales {
+  float s[2][2];
+};
+
+MEGAMOE_DEVICE void load_register_token_scales(RegisterTokenScales& s, const MainloopSmem& sm, u32 kb) {
+  const u32 warp = threadIdx.x / 32, tok = register_tokens_token(0);
+  const float w_even = lds_f32(&sm.w_scale[warp][0][kb]), w_odd = lds_f32(&sm.w_scale[warp][1][kb]);
+  const float t_lo = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok)]);
+  const float t_hi = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok + 8)]);
+  s.s[0][0] = w_even * t_lo, s.s[0][1] = w_even * t_hi;
+  s.s[1][0] = w_odd * t_lo, s.s[1][1] = w_odd * t_hi;
+}
+
+MEGAMOE_DEVICE void promote_register_tokens(float (&acc_g)[kRegisterTokensGroupRows / 2],
+                                            const float (&part)[kRegisterTokensGroupRows / 2], const RegisterTokenScales& s) {
+  if constexpr (kAblate & kAblatePromotion) {  // one value read: ptxas drops a wgmma whose results all go unused
+    acc_g[0] += part[0];
+    return;
+  }
+#pragma unroll
+  for (u32 i = 0; i < kRegisterTokensGroupRows / 2; ++i) acc_g[i] = fmaf(part[i], s.s[(i / 4) % 2][(i / 2) % 2], acc_g[i]);
+}
+
+// The K loop of one full 64-token task (acc zeroed here, the first S - 1 chunks issued). Per chunk
+// c: wait for its stage and for g1(c - 1), its tokens into a, g0(c) -> part0, CTA barrier and
+// refill of chunk c - 1's stage, promote g1(c - 1) (while g0(c) runs), g1(c) -> part1, promote
+// g0(c). The fragment is reloaded only with no wgmma group of the warpgroup in flight: a group
+// starting right after a wait_group while the fragment was reloaded came out wrong on an H200,
+// even when it read a copy of the fragment in other registers (tests/gpu/test_wgmma_rs.py,
+// docs/kernel_notes.md v12); two warpgroups side by side keeping this rule were right. The
+// promotion of g1(c - 1) sits after the CTA barrier: before it, ptxas hoisted it above g0(c)'s
+// issue. One loop body: unrolled by two, ptxas serialised every wgmma (C7515). Chunk 0 is peeled
+// off so that no branch inside the loop hides from ptxas which group a wait completes. Trace
+// intervals (chunk trace builds): 0-1 stage and g1(c - 1) waits, 1-2 reload and g0(c) issue,
+// 2-3 barrier, 3-4 refill, 4-5 promotion of g1(c - 1), 6-7 g1(c) issue, 7-8 wait for g0(c).
+template <u32 K>
+MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
+                                           const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  static_assert(kRegisterTokens && kTileTokens == 64 && 2 * kRegisterTokensGroupRows * 2 == kTileRows,
+                "the register-token loop covers 256 weight rows x 64 tokens");
+  float(&acc0)[32] = *reinterpret_cast<float(*)[32]>(&acc.v[0][0][0]);
+  float(&acc1)[32] = *reinterpret_cast<float(*)[32]>(&acc.v[1][0][0]);
+  float part0[32], part1[32];
+  TokenFragment a;             // the chunk's tokens
+  RegisterTokenScales scales;  // chunk c's, from its first group's promotion to its second's
+  acc.zero();
+  u32 stage = st.seq % S;
+  wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
+  load_token_fragment(a, sm, stage);
+  issue_register_tokens_group(part0, sm, stage, 0, a);
+  __syncthreads();  // also: the task's scale tables are stored
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
+  issue_register_tokens_group(part1, sm, stage, 1, a);
+  load_register_token_scales(scales, sm, 0);
+  wait_for_part<1, 64>(part0);
+  promote_register_tokens(acc0, part0, scales);
+  u64* trace = trace_row(p, st.phase == kPhaseL1 && st.seq == kTraceTask * kChunks);  // chunk trace builds only
+  for (u32 c = 1; c < kChunks; ++c) {
+    trace_point(trace, c, 0);
+    stage = (st.seq + c) % S;
+    wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
+    wait_for_part<0, 64>(part1);  // g1(c - 1): nothing in flight while a is reloaded
+    trace_point(trace, c, 1);
+    load_token_fragment(a, sm, stage);
+    issue_register_tokens_group(part0, sm, stage, 0, a);
+    trace_point(trace, c, 2);
+    __syncthreads();  // every warpgroup is done with chunk c - 1's stage
+    trace_point(trace, c, 3);
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    trace_point(trace, c, 4);
+    fence_accumulators(part1);
+    promote_register_tokens(acc1, part1, scales);  // g1(c - 1), while g0(c) runs
+    trace_point(trace, c, 5);
+    trace_point(trace, c, 6);
+    issue_register_tokens_group(part1, sm, stage, 1, a);
+    trace_point(trace, c, 7);
+    load_register_token_scales(scales, sm, c);
+    wait_for_part<1, 64>(part0);  // g0(c), while g1(c) runs
+    trace_point(trace, c, 8);
+    promote_register_tokens(acc0, part0, scales);
+  }
+  wait_for_part<0, 64>(part1);
+  promote_register_tokens(acc1, part1, scales);
+}
+#endif
+
+}  // namespace megamoe::mega
