@@ -128,8 +128,10 @@ struct TaskScaleRegs {
   float tok[kTok];
   float w[2][kW];
   // Held across a K loop only where the registers are there: the DeepSeek-V3-like L1 (56 blocks,
-  // 18 values) spills the FP8 64-token build, which then loads its scales at each task's start.
-  static constexpr bool kPrefetch = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kTok + 2 * kW <= 12;
+  // 18 values) spills the FP8 64-token build, which then loads its scales at each task's start;
+  // the register-token loop keeps a second partial live across its CTA barrier, and with the
+  // prefetch the Qwen3-like build spilled.
+  static constexpr bool kPrefetch = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && !kRegisterTokens && kTok + 2 * kW <= 12;
 };
 
 // Chunks this CTA has issued in the current phase of K = `K` (a chunk's stage is its sequence
