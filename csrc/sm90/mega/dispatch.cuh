@@ -221,37 +221,50 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
     for (u32 k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, my_row, k);
     Regions peer{p.peers[src]};
     const uint4* from = reinterpret_cast<const uint4*>(peer.x() + static_cast<u64>(token) * kRowBytesL1);
-    // A lane's chunks are loaded in batches before any is stored: loads and stores interleaved
-    // (the compiler cannot tell the staging rows from `from`) waited one NVLink round trip per 16 bytes.
+    // Every load of the token (its row, its FP8 scales, lane k's top-k weight) is issued before the
+    // first store: the compiler cannot tell the staging rows from the peer's buffer, so a load
+    // after a store waits for it, and each such batch cost one NVLink round trip (at a few tokens
+    // per rank the pull is a chain of them). Rows of more than 16 chunks per lane (BF16 with
+    // hidden > 8192 bytes) take two batches.
     constexpr u32 kChunks = kHidden * kElemBytes / 16, kPerLane = (kChunks + 31) / 32;
-    constexpr u32 kBatch = kPerLane < 4 ? kPerLane : 4;
+    constexpr u32 kBatch = kPerLane <= 16 ? kPerLane : (kPerLane + 1) / 2;
+    constexpr u32 kGroups = kHidden / kScaleBlock, kScalesPerLane = kFP8 ? (kGroups + 31) / 32 : 1;
+    float scale[kScalesPerLane];
+    if constexpr (kFP8) {
+#pragma unroll
+      for (u32 s = 0; s < kScalesPerLane; ++s)
+        if (const u32 gidx = lane + 32 * s; gidx < kGroups)
+          scale[s] = __ldcg(peer.x_scale() + static_cast<u64>(token) * (kBufHidden / kScaleBlock) + gidx);
+    }
+    const float weight = my_row >= 0 ? __ldcg(peer.topk_weights() + token * kBufTopk + lane) : 0.0f;
 #pragma unroll
     for (u32 c0 = 0; c0 < kPerLane; c0 += kBatch) {
       uint4 v[kBatch];
 #pragma unroll
       for (u32 b = 0; b < kBatch; ++b)
-        if (const u32 c = lane + 32 * (c0 + b); c < kChunks) v[b] = __ldcg(from + c);
+        if (const u32 c = lane + 32 * (c0 + b); c0 + b < kPerLane && c < kChunks) v[b] = __ldcg(from + c);
 #pragma unroll
       for (u32 k = 0; k < kTopk; ++k) {
         if (rows[k] < 0) continue;  // warp-uniform
         uint4* to = reinterpret_cast<uint4*>(me.staging_l1() + static_cast<u64>(rows[k]) * kRowBytesL1);
 #pragma unroll
         for (u32 b = 0; b < kBatch; ++b)
-          if (const u32 c = lane + 32 * (c0 + b); c < kChunks) to[c] = v[b];
+          if (const u32 c = lane + 32 * (c0 + b); c0 + b < kPerLane && c < kChunks) to[c] = v[b];
       }
     }
     if constexpr (kFP8) {
-      constexpr u32 kGroups = kHidden / kScaleBlock;
-      for (u32 gidx = lane; gidx < kGroups; gidx += 32) {
-        const float scale = __ldcg(peer.x_scale() + static_cast<u64>(token) * (kBufHidden / kScaleBlock) + gidx);
+#pragma unroll
+      for (u32 s = 0; s < kScalesPerLane; ++s) {
+        const u32 gidx = lane + 32 * s;
+        if (gidx >= kGroups) break;
 #pragma unroll
         for (u32 k = 0; k < kTopk; ++k)
           if (rows[k] >= 0)
-            me.staging_l1_scale()[static_cast<u64>(rows[k]) * (kBufHidden / kScaleBlock) + gidx] = scale;
+            me.staging_l1_scale()[static_cast<u64>(rows[k]) * (kBufHidden / kScaleBlock) + gidx] = scale[s];
       }
     }
     if (my_row >= 0) {  // lane k: its slot's weight and row metadata
-      me.staging_weight()[my_row] = __ldcg(peer.topk_weights() + token * kBufTopk + lane);
+      me.staging_weight()[my_row] = weight;
       reinterpret_cast<int4*>(me.staging_meta())[my_row] =
           make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(lane), static_cast<int>(my_e));
     }
