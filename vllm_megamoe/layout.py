@@ -54,11 +54,14 @@ KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks 
 # Slots of the int32 workspace region; the names are shared with csrc/ through c_header().
 WORKSPACE_SLOTS = (
     "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",
-    "nvl_barrier_counter", "nvl_barrier_signal_0", "nvl_barrier_signal_1",
+    "nvl_barrier_counter",  # unused by the SM90 kernel since its one-sided NVLink barriers; kept
+                            # (with its index) so that earlier kernel sources still build for A/B runs
+    "nvl_barrier_signal_0", "nvl_barrier_signal_1",  # SM90 kernel: arrivals of all ranks, growing
     "l1_task_counter", "l2_task_counter",
     "num_tokens",      # tokens this rank holds in the current call (peers read it)
     "error_flag",      # non-zero when a device-side check failed (see buffer.check_errors)
-    "call_count",      # calls completed on this buffer
+    "call_count",      # calls completed on this buffer (the SM90 kernel's NVLink barrier targets)
+    "rank_arrivals",   # SM90 kernel: CTAs of this rank at the current NVLink barrier (back to 0 after)
 )
 WORKSPACE_INTS = 64
 

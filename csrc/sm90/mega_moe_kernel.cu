@@ -1,7 +1,7 @@
 // The fused SM90 mega MoE kernel: one persistent launch per MoE layer and rank.
-//   stage + announce -> [NVLink barrier] -> pull -> L1 + SwiGLU -> (per token block) L2 + combine
-//   writes -> [NVLink barrier] -> top-k reduce -> counters reset
-// Phases up to L1 are separated by grid-wide barriers, L1 -> L2 by per-token-block counters;
+//   stage + announce -> [NVLink barrier, counts published] -> pull -> L1 + SwiGLU -> (per token
+//   block) L2 + combine writes -> [NVLink barrier] -> top-k reduce -> counters reset
+// The pull and L1 are separated by a grid-wide barrier, L1 -> L2 by per-token-block counters;
 // GEMM tasks go to CTAs in index order as they ask (task_queue.cuh);
 // every CTA of the grid must be resident (the host checks occupancy) and every wait times out
 // with a report naming the rank and the phase.
@@ -34,14 +34,16 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
   u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
   const u32 num_ctas = gridDim.x;
+  // Calls made on this buffer before this one (CTA 0 bumps it at the end, once every CTA passed
+  // the last NVLink barrier): the NVLink barriers' targets.
+  const u32 calls = ld_cg_u32(reinterpret_cast<const u8*>(me.workspace() + kSlotCallCount));
 
   mark_phase(p, kMarkStart);
   stage_tokens(p, me);
   announce_pairs(p, me);
   mark_phase(p, kMarkStaged);
-  grid_sync(grid_counter, num_ctas, p.rank, kPhaseAnnounce, p.timeout_ns, p.error_record);
-  publish_counts(p, me);
-  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseDispatchBarrier, p.timeout_ns, p.error_record);
+  nvlink_barrier(p.peers, p.rank, num_ctas, calls, 0, kPhaseDispatchBarrier, p.timeout_ns, p.error_record,
+                 [&] { publish_counts(p, me); });
   mark_phase(p, kMarkDispatched);
 
   build_expert_table(table, p, me);
@@ -74,7 +76,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   });
   loop_end(p, clock, kSpanL2Loop);
   mark_phase(p, kMarkL2Done);
-  nvlink_barrier(p.peers, p.rank, num_ctas, kPhaseL2, p.timeout_ns, p.error_record);
+  nvlink_barrier(p.peers, p.rank, num_ctas, calls, 1, kPhaseL2, p.timeout_ns, p.error_record, [] {});
   mark_phase(p, kMarkCombined);
   reset_l1_blocks(me, blocks);
   reset_task_counters(me);

@@ -53,7 +53,7 @@ constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
 
 // Workspace slots (int32 indices into the workspace region).
 constexpr u32 kSlotGridSync = MEGAMOE_SLOT_grid_sync_0;
-constexpr u32 kSlotNvlCounter = MEGAMOE_SLOT_nvl_barrier_counter;
+constexpr u32 kSlotRankArrivals = MEGAMOE_SLOT_rank_arrivals;
 constexpr u32 kSlotNvlSignal0 = MEGAMOE_SLOT_nvl_barrier_signal_0;
 constexpr u32 kSlotL1TaskCounter = MEGAMOE_SLOT_l1_task_counter;
 constexpr u32 kSlotL2TaskCounter = MEGAMOE_SLOT_l2_task_counter;

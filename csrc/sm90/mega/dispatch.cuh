@@ -129,10 +129,9 @@ MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
   }
 }
 
-// After every CTA announced: tell each destination how many pairs it gets per local expert and
-// how many of this rank's tokens it lists.
+// Run by one CTA once every CTA announced (the dispatch barrier's last arrival): tell each
+// destination how many pairs it gets per local expert and how many of this rank's tokens it lists.
 MEGAMOE_DEVICE void publish_counts(const Params& p, const Regions& me) {
-  if (blockIdx.x != 0) return;
   for (u32 e = threadIdx.x; e < kNumExperts; e += kNumThreads) {
     const u32 dst = e / kNumLocalExperts, local = e % kNumLocalExperts;
     Regions peer{p.peers[dst]};

@@ -102,43 +102,69 @@ MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u
   __syncthreads();
 }
 
-// All ranks meet (after all CTAs of this rank did). Two signal words alternate and the sign of
-// the increment flips every second barrier, so the signals never need resetting either.
-MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, int phase, u64 timeout_ns, int* record) {
-  int* ws_local = reinterpret_cast<int*>(peers[rank] + kOffWorkspace);
-  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, timeout_ns, record);
-  if (blockIdx.x == 0) {
-    const int status = ws_local[kSlotNvlCounter] & 3;
-    const int signal_slot = kSlotNvlSignal0 + (status & 1);
-    const bool negative = (status >> 1) != 0;
-    if (threadIdx.x < kNumRanks) {
-      int* remote = reinterpret_cast<int*>(peers[threadIdx.x] + kOffWorkspace) + signal_slot;
-      red_add_release_sys(remote, negative ? -1 : 1);
-    }
+MEGAMOE_DEVICE u32 atom_inc_acq_rel_gpu(u32* p, u32 limit) {  // old >= limit: back to 0
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
+  return old;
+}
+
+// All ranks meet. Each CTA arrives once on its rank's counter; the last CTA of a rank to arrive
+// runs `on_last` (the whole CTA: e.g. publishing this call's counts to the peers) and then
+// signals every rank, and every CTA waits for all ranks' signals itself: no grid sync before the
+// exchange nor after it (each a grid-wide round trip of its own).
+// The signal words only grow: barrier `barrier` of call `calls` (the call count, bumped at the
+// end of every call; the same on every rank, since every rank makes every call) is complete when
+// its word reaches kNumRanks * (calls + 1), compared modulo 2^32. A wait that times out names the
+// CTAs of its own grid still missing when there are some, else the ranks that arrived.
+template <typename OnLast>
+MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32 calls, u32 barrier, int phase,
+                                   u64 timeout_ns, int* record, OnLast&& on_last) {
+  int* ws = reinterpret_cast<int*>(peers[rank] + kOffWorkspace);
+  u32* arrivals = reinterpret_cast<u32*>(ws + kSlotRankArrivals);
+  __shared__ u32 last_to_arrive;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // the CTA's writes (to peers too) before its arrival
+    last_to_arrive = atom_inc_acq_rel_gpu(arrivals, num_ctas - 1) == num_ctas - 1;
+  }
+  __syncthreads();
+  if (last_to_arrive) {  // CTA-uniform: every CTA of this rank arrived, their writes are visible here
+    on_last();
+    __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) {
-      ws_local[kSlotNvlCounter] += 1;
-      const int target = negative ? 0 : static_cast<int>(kNumRanks);
-      const Deadline deadline{global_timer_ns(), timeout_ns};
-      int seen;
-      while ((seen = ld_acquire_sys(ws_local + signal_slot)) != target) {
-        if (deadline.expired()) {
+    if (threadIdx.x < kNumRanks)
+      red_add_release_sys(reinterpret_cast<int*>(peers[threadIdx.x] + kOffWorkspace) + kSlotNvlSignal0 + barrier, 1);
+  }
+  if (threadIdx.x == 0) {
+    const int* signal = ws + kSlotNvlSignal0 + barrier;
+    const u32 target = kNumRanks * (calls + 1);
+    const Deadline deadline{global_timer_ns(), timeout_ns};
+    u32 seen;
+    while (static_cast<int>((seen = static_cast<u32>(ld_acquire_sys(signal))) - target) < 0) {
+      if (deadline.expired()) {
+        const u32 arrived = ld_acquire_gpu(arrivals);  // back to 0 once the whole grid arrived
+        const int ranks_in = static_cast<int>(seen - kNumRanks * calls);
+        if (arrived != 0) {
 #if MEGAMOE_TRAP_PRINTF
-          printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived (signal %d, target %d); "
-                 "a peer rank did not launch this call or died.\n",
-                 rank, phase_name(phase), negative ? static_cast<int>(kNumRanks) - seen : seen, kNumRanks,
-                 seen, target);
+          printf("megamoe: rank %d CTA %d timed out in %s waiting for the other CTAs of its grid (%u of %u "
+                 "arrived); were all CTAs resident? Lower VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.\n",
+                 rank, blockIdx.x, phase_name(phase), arrived, num_ctas);
 #endif
-          report_and_trap(record, kErrorNvlinkTimeout, rank, phase,
-                          negative ? static_cast<int>(kNumRanks) - seen : seen, seen, target);
+          report_and_trap(record, kErrorGridTimeout, rank, phase, static_cast<int>(arrived),
+                          static_cast<int>(arrived), static_cast<int>(num_ctas));
         }
+#if MEGAMOE_TRAP_PRINTF
+        if (blockIdx.x == 0)  // every CTA times out alike; one line (the record holds the first report)
+          printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived (signal %u, target %u); "
+                 "a peer rank did not launch this call or died.\n",
+                 rank, phase_name(phase), ranks_in, kNumRanks, seen, target);
+#endif
+        report_and_trap(record, kErrorNvlinkTimeout, rank, phase, ranks_in, static_cast<int>(seen),
+                        static_cast<int>(target));
       }
     }
   }
-  // The other CTAs wait here while CTA 0 waits for the peers: give them twice the time, so a
-  // missing peer is reported by CTA 0 as what it is (an NVLink timeout naming the ranks that
-  // arrived), not as a grid timeout of some CTA that merely waited for CTA 0.
-  grid_sync(reinterpret_cast<u32*>(ws_local + kSlotGridSync), num_ctas, rank, phase, 2 * timeout_ns, record);
+  __syncthreads();
 }
 
 }  // namespace megamoe::mega
