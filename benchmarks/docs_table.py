@@ -2,13 +2,16 @@
 
     python -m benchmarks.docs_table benchmarks/results/portable_ep2.json            # rewrite
     python -m benchmarks.docs_table benchmarks/results/portable_ep2.json --check    # exit 1 if stale
+    python -m benchmarks.docs_table benchmarks/results/bench_ep1.json --section ep1 # another run's table
 
-The table goes between the markers BEGIN and END below in the document.
+The table goes between the markers BEGIN and END below in the document (`markers(section)` for a
+named section: `bench-table[ep1]:begin` ...).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from benchmarks import report, targets
@@ -53,26 +56,48 @@ def render(results_path: str, display_path: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def replace_section(text: str, table: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"the document has no {BEGIN!r} ... {END!r} section")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+def markers(section: str = "") -> tuple[str, str]:
+    """The begin and end markers of the unnamed section (BEGIN, END) or of a named one."""
+    if not section:
+        return BEGIN, END
+    return BEGIN.replace("bench-table:", f"bench-table[{section}]:"), END.replace("bench-table:", f"bench-table[{section}]:")
+
+
+def sections(text: str) -> dict[str, str]:
+    """Every section of the document: name ("" for the unnamed one) -> the results file its table names."""
+    found = {}
+    for name in [""] + re.findall(r"<!-- bench-table\[([\w-]+)\]:begin", text):
+        begin, end = markers(name)
+        body = text.split(begin, 1)[1].split(end, 1)[0] if begin in text else ""
+        source = re.search(r"^Source: `([^`]+)`", body, re.M)
+        if source:
+            found[name] = source.group(1)
+    return found
+
+
+def replace_section(text: str, table: str, section: str = "") -> str:
+    begin, end = markers(section)
+    if begin not in text or end not in text:
+        raise ValueError(f"the document has no {begin!r} ... {end!r} section")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results")
     ap.add_argument("--doc", default=DEFAULT_DOC)
+    ap.add_argument("--section", default="", help="a named section of the document (e.g. ep1); default the unnamed one")
     ap.add_argument("--check", action="store_true", help="exit 1 when the document is not up to date")
     args = ap.parse_args(argv)
     with open(args.doc) as f:
         text = f.read()
-    new = replace_section(text, render(args.results, os.path.relpath(args.results)))
+    new = replace_section(text, render(args.results, os.path.relpath(args.results)), args.section)
     if args.check:
         if new != text:
-            print(f"{args.doc} is stale: run python -m benchmarks.docs_table {args.results}")
+            flag = f" --section {args.section}" if args.section else ""
+            print(f"{args.doc} is stale: run python -m benchmarks.docs_table {args.results}{flag}")
             return 1
         print(f"{args.doc} is up to date")
         return 0

@@ -217,11 +217,25 @@ def test_docs_table_is_generated_from_the_recorded_json():
     from benchmarks import docs_table
     with open(docs_table.DEFAULT_DOC) as f:
         text = f.read()
-    source = re.search(r"^Source: `([^`]+)`", text, re.M).group(1)
-    assert source.startswith("benchmarks/results/")
-    table = docs_table.render(os.path.join(ROOT, source), source)
-    assert docs_table.replace_section(text, table) == text, \
-        f"docs/performance.md is stale: python -m benchmarks.docs_table {source}"
+    found = docs_table.sections(text)
+    assert "" in found and "ep1" in found, found
+    for section, source in found.items():
+        assert source.startswith("benchmarks/results/")
+        table = docs_table.render(os.path.join(ROOT, source), source)
+        assert docs_table.replace_section(text, table, section) == text, \
+            f"docs/performance.md is stale: python -m benchmarks.docs_table {source} --section {section}"
+
+
+def test_docs_table_sections_are_separate():
+    from benchmarks import docs_table
+    begin, end = docs_table.markers("ep1")
+    assert begin != docs_table.BEGIN and "[ep1]" in begin and "[ep1]" in end
+    text = f"a\n{docs_table.BEGIN}\nSource: `x.json`\n{docs_table.END}\nb\n{begin}\nSource: `y.json`\n{end}\nc"
+    assert docs_table.sections(text) == {"": "x.json", "ep1": "y.json"}
+    out = docs_table.replace_section(text, "NEW", "ep1")
+    assert "Source: `x.json`" in out and "Source: `y.json`" not in out and out.count("NEW") == 1
+    with pytest.raises(ValueError, match="ep2x"):
+        docs_table.replace_section(text, "NEW", "ep2x")
 
 
 def test_plots_from_json(tmp_path):

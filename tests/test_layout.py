@@ -31,7 +31,7 @@ def test_regions_aligned_disjoint_and_sized(lay):
     s, t = lay.shape, lay.tokens
     assert t >= lay.max_tokens_per_rank and t % 8 == 0
     assert lay.region("combine").shape == (s.topk + lay.shared_expert, t, s.hidden)
-    assert lay.region("recv_src_index").shape == (s.num_experts // lay.num_ranks, lay.num_ranks, t)
+    assert lay.region("expert_recv_count").shape == (lay.num_ranks, s.num_experts // lay.num_ranks)
     assert lay.staging_rows <= max(lay.max_received_pairs, 8)
     if lay.ring_rows is not None:
         assert lay.staging_rows <= lay.ring_rows + 7

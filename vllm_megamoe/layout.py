@@ -8,8 +8,6 @@ Regions, in order (each 128-byte aligned):
   workspace           int32 [64]        counters and flags, see WORKSPACE_SLOTS
   expert_send_count   int32 [E]         tokens this rank sends to each global expert (per call)
   expert_recv_count   int32 [R, El]     written by rank r: tokens it sends to my local experts
-  recv_src_index      int32 [El, R, T]  unused since the SM90 kernel announces per token (recv_tokens);
-                                        removed with the next GPU-verified kernel change (offsets move)
   token_send_count    int32 [R]         SM90 kernel: tokens this rank sends to each rank (per call)
   recv_token_count    int32 [R]         SM90 kernel, written by rank r: how many of its tokens it lists here
   recv_tokens         int32 [R, T]      SM90 kernel, written by rank r: those tokens, each once
@@ -32,7 +30,7 @@ with E experts, R ranks, El = E/R local experts, T = max tokens per rank, H hidd
 I intermediate, K top-k, S staging rows.
 
 How memory grows: combine (2*K*T*H bytes) dominates, linear in T, K and H. x is T*H (fp8) or
-2*T*H (bf16). recv_src_index is 4*E*T bytes (El*R == E). Staging is S*(H+I) (x2 for bf16):
+2*T*H (bf16). Staging is S*(H+I) (x2 for bf16):
 S defaults to the worst case of every received pair, R*T*min(K, El); a kernel that recycles
 staging as a ring of live blocks passes `ring_rows` (live blocks x block rows) instead, which
 caps S independently of T. Nothing grows with the number of layers: one buffer serves all.
@@ -54,8 +52,6 @@ KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks 
 # Slots of the int32 workspace region; the names are shared with csrc/ through c_header().
 WORKSPACE_SLOTS = (
     "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",
-    "nvl_barrier_counter",  # unused by the SM90 kernel since its one-sided NVLink barriers; kept
-                            # (with its index) so that earlier kernel sources still build for A/B runs
     "nvl_barrier_signal_0", "nvl_barrier_signal_1",  # SM90 kernel: arrivals of all ranks, growing
     "l1_task_counter", "l2_task_counter",
     "num_tokens",      # tokens this rank holds in the current call (peers read it)
@@ -119,7 +115,6 @@ class BufferLayout:
             ("workspace", torch.int32, (WORKSPACE_INTS,)),
             ("expert_send_count", torch.int32, (s.num_experts,)),
             ("expert_recv_count", torch.int32, (r, el)),
-            ("recv_src_index", torch.int32, (el, r, t)),
             # The SM90 kernel pulls each token once per destination rank (not once per pair) and
             # copies it into the staging row of each of its pairs there.
             ("token_send_count", torch.int32, (r,)),
