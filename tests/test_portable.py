@@ -139,7 +139,16 @@ def test_cuda_buffer_refuses_ranks_without_peer_access(monkeypatch):
     with pytest.raises(PeerAccessError, match=r"rank 0 \(cuda:0\) cannot access rank 1's GPU \(cuda:1\)"):
         buf._check_peer_access()
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    buf._check_peer_access()  # one host, peer access everywhere: fine
+    assert buf._check_peer_access() is False  # one host, one GPU per rank, peer access everywhere
+    peers = [("node-a", 0), ("node-a", 0)]
+    assert buf._check_peer_access() is True   # two ranks on one GPU: the cuda-ipc route
+
+
+def test_cuda_ipc_backend_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="backend='cuda-ipc' needs a CUDA device"):
+        SymmBuffer(SHAPE, 8, None, backend="cuda-ipc", device="cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        SymmBuffer(SHAPE, 8, None, backend="ipc")
 
 
 @pytest.mark.parametrize("var,default", [("VLLM_MEGAMOE_PORTABLE_SCATTER", "auto"),
