@@ -145,7 +145,7 @@ case "${STEP:-verify}" in
       [ "$(left)" -gt 100 ] || break
       VLLM_MEGAMOE_CSRC_DIR="$b/csrc" timeout 90 python3 -m benchmarks.kernel_probe --gpus 1 \
         --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants ${VARIANTS:-default} \
-        --out "$OUT/probe_1gpu_$(basename "$(realpath "$b")").json" 2>&1 | tail -12
+        --out "$OUT/probe_1gpu_$([ "$b" = . ] && echo tree || basename "$b").json" 2>&1 | tail -12
     done
     L=$(left); [ "$L" -gt 60 ] && sanitize $(( L / 2 - 5 )) ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
