@@ -58,17 +58,28 @@ def render(results_path: str, display_path: str | None = None) -> str:
 
 def markers(section: str = "") -> tuple[str, str]:
     """The begin and end markers of the unnamed section (BEGIN, END) or of a named one."""
-    if not section:
-        return BEGIN, END
-    return BEGIN.replace("bench-table:", f"bench-table[{section}]:"), END.replace("bench-table:", f"bench-table[{section}]:")
+    tag = f"bench-table[{section}]:" if section else "bench-table:"
+    return BEGIN.replace("bench-table:", tag), END.replace("bench-table:", tag)
+
+
+def _split(text: str, section: str = "") -> tuple[str, str, str]:
+    """(text before the begin marker, the section's body, text after the end marker)."""
+    begin, end = markers(section)
+    if begin not in text or end not in text:
+        raise ValueError(f"the document has no {begin!r} ... {end!r} section")
+    head, rest = text.split(begin, 1)
+    body, tail = rest.split(end, 1)
+    return head, body, tail
 
 
 def sections(text: str) -> dict[str, str]:
     """Every section of the document: name ("" for the unnamed one) -> the results file its table names."""
     found = {}
     for name in [""] + re.findall(r"<!-- bench-table\[([\w-]+)\]:begin", text):
-        begin, end = markers(name)
-        body = text.split(begin, 1)[1].split(end, 1)[0] if begin in text else ""
+        try:
+            body = _split(text, name)[1]
+        except ValueError:
+            continue
         source = re.search(r"^Source: `([^`]+)`", body, re.M)
         if source:
             found[name] = source.group(1)
@@ -76,11 +87,8 @@ def sections(text: str) -> dict[str, str]:
 
 
 def replace_section(text: str, table: str, section: str = "") -> str:
+    head, _, tail = _split(text, section)
     begin, end = markers(section)
-    if begin not in text or end not in text:
-        raise ValueError(f"the document has no {begin!r} ... {end!r} section")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
