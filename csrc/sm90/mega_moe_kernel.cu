@@ -32,6 +32,14 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 #endif
   const Regions me{p.peers[p.rank]};
   const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
+#if MEGAMOE_SMEM_MAINLOOP >= 3
+  if (threadIdx.x == 0) {  // the four descriptors into the cache now, not at each phase's first copy
+    tma_prefetch_descriptor(maps.w13);
+    tma_prefetch_descriptor(maps.w2);
+    tma_prefetch_descriptor(maps.l1);
+    tma_prefetch_descriptor(maps.l2);
+  }
+#endif
   u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
   const u32 num_ctas = gridDim.x;
   // Calls made on this buffer before this one (CTA 0 bumps it at the end, once every CTA passed

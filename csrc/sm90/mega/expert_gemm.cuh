@@ -323,6 +323,20 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   const u32 ht = at.tile;
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
+  // Lane i: the (rank, token, slot) of the warp's i-th row of a pass. With one pass and the
+  // 32-token builds' registers to spare, loaded before the K loop: after it, the load was a
+  // dependent round trip between the K loop and the combine stores of every task (the L2
+  // epilogue 1.4 -> 0.6-0.8 us per task at 8-128 tokens per rank, docs/kernel_notes.md v15).
+  constexpr bool kMetaEarly = kPassTokens == kN && kTileTokens <= 32;
+  const auto load_meta = [&](u32 pass_tok0, u32 pass_rows) {
+    int4 meta = make_int4(0, 0, 0, 0);
+    if (warp + kNumWarps * lane < pass_rows)
+      meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + pass_tok0 + warp + kNumWarps * lane);
+    return meta;
+  };
+  int4 early_meta = make_int4(0, 0, 0, 0);
+  if constexpr (kMetaEarly) early_meta = load_meta(0, t.num_rows < kPassTokens ? t.num_rows : kPassTokens);
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && stream_next) {  // only the smem mainloops stream on
     const TaskOperands next = l2_operands(table, p, me, maps, next_at);
@@ -343,7 +357,6 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
         out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
   static_assert(!kRegTok || kN == kL2PassTokens, "the register-token map takes one pass");
   u8* tile = epilogue_tile(smem, mainloop, st);  // [pass tokens][256 channels] bf16, chunks permuted (epilogue_offset)
-  constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
   constexpr u32 kPassTiles = kPassTokens / 8;
 #pragma unroll
   for (u32 pass = 0; pass < kN / kPassTokens; ++pass) {
@@ -373,13 +386,10 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
           }
     }
     __syncthreads();
-    // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank;
-    // lane i loads the (rank, token, slot) of the warp's i-th row up front, one load in flight per lane.
+    // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank.
     const u32 pass_rows = t.num_rows - pass_tok0 < kPassTokens ? t.num_rows - pass_tok0 : kPassTokens;
     static_assert(kPassTokens <= 32 * kNumWarps, "one row per lane and warp");
-    int4 my_meta = make_int4(0, 0, 0, 0);
-    if (warp + kNumWarps * lane < pass_rows)
-      my_meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + pass_tok0 + warp + kNumWarps * lane);
+    const int4 my_meta = kMetaEarly ? early_meta : load_meta(pass_tok0, pass_rows);
 #pragma unroll 1
     for (u32 i = 0, tok = warp; tok < pass_rows; ++i, tok += kNumWarps) {
       int4 meta;
