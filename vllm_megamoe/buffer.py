@@ -131,7 +131,7 @@ class SymmBuffer:
             logger.warning("megamoe: EP ranks share a GPU; SymmBuffer uses CUDA IPC handles and host "
                            "barriers (backend 'cuda-ipc': for tests, not for serving)")
             self.backend = "cuda-ipc"
-            self._create_cuda_ipc()
+            self._create_cuda_ipc(peer_access_checked=True)
             return
         buf = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._handle = symm_mem.rendezvous(buf, self.group)
@@ -142,9 +142,10 @@ class SymmBuffer:
         torch.cuda.synchronize(self.device)
         self.barrier("create")
 
-    def _create_cuda_ipc(self):
+    def _create_cuda_ipc(self, peer_access_checked: bool = False):
         from torch.multiprocessing.reductions import reduce_tensor
-        self._check_peer_access()
+        if not peer_access_checked:  # _create_cuda checked it already (one all_gather less)
+            self._check_peer_access()
         buf = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         torch.cuda.synchronize(self.device)
         handles = [None] * self.num_ranks
