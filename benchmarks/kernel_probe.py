@@ -7,12 +7,16 @@ For every shape, tokens per rank and variant (an environment override of the ker
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
 `tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
-times only), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace); several joined by
-commas; `default` for none) it times graph-replayed calls with CUDA events (median,
+times only), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace), `csrc=DIR` ->
+VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a commit's `csrc/` from `git archive`); several
+joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
 rank needed from one phase mark to the next, and for trace builds the SM cycles of each interval of
-a traced K chunk (phase_clock.chunk_trace).
+a traced K chunk (phase_clock.chunk_trace). With --rounds N the variants run N times in turn and
+each case reports its median round.
+
+    python3 -m benchmarks.kernel_probe --gpus 1 --tokens 1 8 --variants default csrc=.probe_base/csrc --rounds 3
 """
 from __future__ import annotations
 
@@ -33,7 +37,10 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
          # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
          "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",
          # which of a CTA's L1 tasks a trace build traces (default 2; 0 at a few tokens per rank)
-         "trace_task": "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK"}
+         "trace_task": "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK",
+         # another source tree (a csrc/ directory, e.g. `git archive <commit> csrc` unpacked): its
+         # build next to this tree's in the same process, same inputs (an A/B of two commits)
+         "csrc": "VLLM_MEGAMOE_CSRC_DIR"}
 
 
 def variant_env(variant: str) -> dict:
@@ -82,7 +89,21 @@ def phase_row(summary: dict) -> dict:
     return {name: marks[b]["last_us"] - marks[a]["last_us"] for name, a, b in PHASES}
 
 
-def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One case's rows from successive rounds (--rounds) as one: the row of the round with the
+    median graph time (the lower one of an even count: a measured row, phases and spans
+    included), every round's time in `graph_us_rounds`, the largest error, and the output
+    digests joined with '|' if the rounds disagree (they run the same inputs)."""
+    ordered = sorted(rounds, key=lambda r: r["graph_us"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["graph_us_rounds"] = [r["graph_us"] for r in rounds]
+    out["rel_err_vs_first_variant"] = max(r["rel_err_vs_first_variant"] for r in rounds)
+    digests = list(dict.fromkeys(r.get("out_sha1") for r in rounds))
+    out["out_sha1"] = digests[0] if len(digests) == 1 else "|".join(map(str, digests))
+    return out
+
+
+def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, rounds=1):
     import torch
 
     from vllm_megamoe import SymmBuffer, reference
@@ -102,7 +123,10 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
             y = torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device=dev)
 
             baseline = None
-            for variant in variants:
+            measured: dict[str, list[dict]] = {}
+            # Round after round over the variants: a drift of the GPU during the call (two runs of
+            # one build 18 % apart at 1 token, docs/kernel_notes.md v15) then reaches every variant.
+            for variant in [v for _ in range(rounds) for v in variants]:
                 env = variant_env(variant)
                 with scoped_env(env):
                     out = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
@@ -122,15 +146,16 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters):
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
                     resolved = sm90_tuning.choose(shape, fmt, world, tokens).label()
-                rows.append(dict(shape=name, hidden=shape.hidden, intermediate=shape.intermediate,
-                                 experts=shape.num_experts, topk=shape.topk, format=fmt, tokens_per_rank=tokens,
-                                 variant=variant, rank=rank,
-                                 mainloop=resolved,
-                                 graph_us=median_us(times), rel_err_vs_first_variant=err, out_sha1=digest,
-                                 clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
-                                 phases_us=phase_row(summary) if summary else {},
-                                 task_us=summary.get("task_us", {}) if summary else {},
-                                 chunk_trace=summary.get("chunk_trace", {}) if summary else {}))
+                row = dict(shape=name, hidden=shape.hidden, intermediate=shape.intermediate,
+                           experts=shape.num_experts, topk=shape.topk, format=fmt, tokens_per_rank=tokens,
+                           variant=variant, rank=rank, mainloop=resolved,
+                           graph_us=median_us(times), rel_err_vs_first_variant=err, out_sha1=digest,
+                           clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
+                           phases_us=phase_row(summary) if summary else {},
+                           task_us=summary.get("task_us", {}) if summary else {},
+                           chunk_trace=summary.get("chunk_trace", {}) if summary else {})
+                measured.setdefault(variant, []).append(row)
+            rows += [combine_rounds(measured[v]) for v in variants]
         buf.destroy()
         del weights, buf
         torch.cuda.empty_cache()
@@ -153,6 +178,8 @@ def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
             if m["ranks"] > 1:  # each rank's output digest, in rank order
                 m["out_sha1"] = f"{m.get('out_sha1')},{r.get('out_sha1')}"
             m["graph_us"] = max(m["graph_us"], r["graph_us"])
+            if m["ranks"] > 1 and r.get("graph_us_rounds"):  # per round, the slower rank's
+                m["graph_us_rounds"] = [max(a, b) for a, b in zip(m["graph_us_rounds"], r["graph_us_rounds"])]
             m["rel_err_vs_first_variant"] = max(m["rel_err_vs_first_variant"], r["rel_err_vs_first_variant"])
             m["clock_total_us"] = max(m["clock_total_us"] or 0.0, r["clock_total_us"] or 0.0)
             for k, v in r["phases_us"].items():
@@ -180,6 +207,10 @@ def table(rows: list[dict]) -> str:
         cells += [f"{r['phases_us'].get(p[0], float('nan')):.0f}" for p in PHASES]
         cells.append(f"{r['rel_err_vs_first_variant']:.1e}")
         lines.append("  ".join(f"{c:>9}" for c in cells))
+    repeated = [r for r in rows if len(r.get("graph_us_rounds") or []) > 1]
+    if repeated:  # graph us of each round (the table above: their median)
+        lines += ["", "graph us per round:"]
+        lines += [_row_label(r) + "  ".join(f"{us:9.1f}" for us in r["graph_us_rounds"]) for r in repeated]
     ranked = [r for r in rows if len(r.get("per_rank") or []) > 1]
     if ranked:  # each rank's own phases: which rank waited in a barrier and which one worked
         lines += ["", f"{'phases per rank (us):':<29}" + "  ".join(f"{p[0]:>9}" for p in PHASES) + "  graph us  tasks L1/L2"]
@@ -270,19 +301,26 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[8, 128, 1024])
     ap.add_argument("--variants", nargs="+", default=["default"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variants this many times in turn (v1 v2 .. v1 v2 ..) and report each "
+                         "case's median round: A/B at a few tokens per rank drifts within one call")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.report:
         print(versus(args.report, args.versus) if args.versus else markdown(args.report))
         return 0
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
+    if len(set(args.variants)) < len(args.variants):
+        ap.error(f"--variants {' '.join(args.variants)}: each variant once (--rounds repeats them)")
     for v in args.variants:
         variant_env(v)  # bad variants and shapes fail before any process starts
     for spec in args.shapes:
         probe_shape(spec)
     from vllm_megamoe.launch import run_ranks
     results = run_ranks(_rank_main, args.gpus,
-                        (args.shapes, args.format, args.tokens, args.variants, args.iters),
+                        (args.shapes, args.format, args.tokens, args.variants, args.iters, args.rounds),
                         backend="nccl", timeout_s=args.timeout)
     rows = merge(results)
     print(table(rows), flush=True)

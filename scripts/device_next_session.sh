@@ -24,7 +24,8 @@
 #                kernel_probe of this tree and of other csrc trees (BASES) side by side
 #   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
 #                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
-#                kernel_probe A/B against BASES at EP1, then memcheck and racecheck, within BUDGET s
+#                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
+#                rounds in turn), then memcheck and racecheck, within BUDGET s
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -141,12 +142,12 @@ case "${STEP:-verify}" in
       tests/gpu/test_sm90_mega_moe.py -k "${SHARED_TESTS:-(multi_gpu and small and fp8) or back_to_back_calls_multi or missing_peer or (cuda_graph_multi and fp8)}" \
       > "$OUT/kernel_tests_shared.log" 2>&1
     tail -2 "$OUT/kernel_tests_shared.log"
-    for b in . ${BASES:-}; do
-      [ "$(left)" -gt 100 ] || break
-      VLLM_MEGAMOE_CSRC_DIR="$b/csrc" timeout 90 python3 -m benchmarks.kernel_probe --gpus 1 \
-        --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants ${VARIANTS:-default} \
-        --out "$OUT/probe_1gpu_$([ "$b" = . ] && echo tree || basename "$b").json" 2>&1 | tail -12
-    done
+    # this tree and every BASES tree in one process, in turn for ROUNDS rounds (a GPU drifts
+    # within a call: a build run twice can differ by more than a change does at 1-8 tokens)
+    AB="${VARIANTS:-default}"; for b in ${BASES:-}; do AB="$AB csrc=$b/csrc"; done
+    [ "$(left)" -gt 100 ] && timeout $(( $(left) / 2 )) python3 -m benchmarks.kernel_probe --gpus 1 \
+      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
+      --rounds ${ROUNDS:-2} --out "$OUT/probe_1gpu_ab.json" 2>&1 | tail -24
     L=$(left); [ "$L" -gt 60 ] && sanitize $(( L / 2 - 5 )) ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
             # each interval of a few K chunks of one L1 task per CTA (stage wait, wgmma issues and waits,

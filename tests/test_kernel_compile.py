@@ -5,6 +5,7 @@ NVRTC comes from pip: cuda-bindings (Python API) + nvidia-cuda-nvrtc (libnvrtc.s
 only when those cannot be loaded.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -128,6 +129,41 @@ def test_cache_key_tracks_defines_and_sources(private_cache, tmp_path, monkeypat
     with open(copy / "sm90" / "ptx.cuh", "a") as handle:
         handle.write("\n// edited\n")
     assert jit.cache_key(a, "nvrtc") != before
+
+
+@needs_nvrtc
+def test_a_spec_that_names_its_tree_builds_from_it(private_cache, tmp_path, monkeypatch):
+    """KernelSpec.csrc: the same spec of two source trees is two kernels (two cache keys), also
+    when VLLM_MEGAMOE_CSRC_DIR changes within the process; a tree without sm90/ is refused."""
+    import shutil
+
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    other = tmp_path / "other" / "csrc"
+    shutil.copytree(jit.csrc_dir(), other)
+    with open(other / "sm90" / "ptx.cuh", "a") as handle:
+        handle.write("\n// another commit\n")
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    buf = _Buf()
+    monkeypatch.delenv("VLLM_MEGAMOE_CSRC_DIR", raising=False)
+    mine = sm90_mega_moe.kernel_spec(shape, buf)
+    assert mine.csrc == "" and jit.spec_root(mine) == jit.csrc_dir()
+    monkeypatch.setenv("VLLM_MEGAMOE_CSRC_DIR", str(other))
+    theirs = sm90_mega_moe.kernel_spec(shape, buf)
+    assert theirs.csrc == str(other.resolve()) and theirs != mine
+    monkeypatch.delenv("VLLM_MEGAMOE_CSRC_DIR")
+    # the spec keeps its tree after the variable is gone; the keys differ by the sources alone
+    assert sm90_mega_moe.kernel_spec(shape, buf) == mine
+    assert jit.spec_root(theirs) == other.resolve()
+    assert jit.cache_key(theirs, "nvrtc") != jit.cache_key(mine, "nvrtc")
+    assert jit.cache_key(theirs, "nvrtc") == jit.cache_key(dataclasses.replace(mine, csrc=str(other)), "nvrtc")
+    with pytest.raises(FileNotFoundError, match="not a CUDA source tree"):
+        jit.spec_root(dataclasses.replace(mine, csrc=str(tmp_path)))
 
 
 @needs_nvrtc

@@ -14,9 +14,44 @@ def test_variants_map_to_the_kernel_knobs():
     assert kp.variant_env("trace=1") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1"}
     assert kp.variant_env("trace=1,trace_task=0") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1",
                                                       "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK": "0"}
-    for bad in ("stages", "depth=3", "stages=", "stages=3,"):
+    assert kp.variant_env("csrc=.probe_base/csrc") == {"VLLM_MEGAMOE_CSRC_DIR": ".probe_base/csrc"}
+    for bad in ("stages", "depth=3", "stages=", "stages=3,", "csrc="):
         with pytest.raises(ValueError, match="variant"):
             kp.variant_env(bad)
+
+
+def _round(us, sha="a", err=0.0, l1=None):
+    return dict(shape="s", format="f", tokens_per_rank=1, variant="default", rank=0, graph_us=us,
+                rel_err_vs_first_variant=err, clock_total_us=us - 1, ctas=132,
+                phases_us={"L1": l1 if l1 is not None else us / 2}, out_sha1=sha)
+
+
+def test_rounds_report_the_median_round():
+    """--rounds: the case is the round with the median time (a measured row: its phases go with
+    it), every round's time is kept in order, the worst error counts, and digests that differ
+    between rounds (the same inputs) show."""
+    m = kp.combine_rounds([_round(30.0, l1=1.0), _round(10.0, l1=2.0, err=1e-3), _round(20.0, l1=3.0)])
+    assert (m["graph_us"], m["phases_us"]["L1"]) == (20.0, 3.0)
+    assert m["graph_us_rounds"] == [30.0, 10.0, 20.0]
+    assert m["rel_err_vs_first_variant"] == 1e-3 and m["out_sha1"] == "a"
+    even = kp.combine_rounds([_round(40.0), _round(10.0, sha="b")])
+    assert even["graph_us"] == 10.0 and even["out_sha1"] == "a|b"  # the lower median; digests differ
+    assert kp.combine_rounds([_round(7.0)])["graph_us_rounds"] == [7.0]
+    # two ranks: per round the slower rank's time; printed one line per case
+    r0, r1 = dict(even, rank=0), dict(kp.combine_rounds([_round(35.0), _round(15.0)]), rank=1)
+    merged = kp.merge([[r0], [r1]])[0]
+    assert merged["graph_us_rounds"] == [40.0, 15.0] and merged["graph_us"] == 15.0
+    text = kp.table([merged])
+    assert "graph us per round" in text and "40.0" in text.splitlines()[text.splitlines().index("graph us per round:") + 1]
+
+
+def test_main_refuses_bad_rounds_and_repeated_variants(capsys):
+    with pytest.raises(SystemExit):
+        kp.main(["--gpus", "1", "--rounds", "0"])
+    assert "--rounds 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kp.main(["--gpus", "1", "--variants", "default", "stages=5", "default"])
+    assert "each variant once" in capsys.readouterr().err
 
 
 def test_shapes_by_name_or_dimensions():

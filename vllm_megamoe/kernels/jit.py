@@ -162,6 +162,13 @@ def csrc_dir() -> pathlib.Path:
     )
 
 
+def csrc_override() -> str:
+    """VLLM_MEGAMOE_CSRC_DIR as an absolute path for KernelSpec.csrc, or "" when unset: a spec
+    made with it stays tied to that tree if the variable changes later in the process."""
+    explicit = os.environ.get("VLLM_MEGAMOE_CSRC_DIR")
+    return str(pathlib.Path(explicit).resolve()) if explicit else ""
+
+
 def _source_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _SOURCE_SUFFIXES)
 
@@ -187,11 +194,25 @@ class KernelSpec:
     defines: tuple[tuple[str, str], ...] = ()
     arch: str = "sm_90a"
     extra_options: tuple[str, ...] = ()
+    # The source tree it is built from; "": csrc_dir() when compiled. A spec that names its tree
+    # is another kernel than the same spec of another tree, also within one process (the kernel
+    # probe times two trees side by side).
+    csrc: str = ""
 
     @staticmethod
     def make(source: str, name: str, defines: dict[str, Any] | None = None, **kwargs: Any) -> "KernelSpec":
         items = tuple(sorted((str(k), str(int(v) if isinstance(v, bool) else v)) for k, v in (defines or {}).items()))
         return KernelSpec(source=source, name=name, defines=items, **kwargs)
+
+
+def spec_root(spec: KernelSpec) -> pathlib.Path:
+    """The source tree `spec` compiles from: its own `csrc`, or csrc_dir()."""
+    if not spec.csrc:
+        return csrc_dir()
+    root = pathlib.Path(spec.csrc)
+    if not (root / "sm90").is_dir():
+        raise FileNotFoundError(f"kernel {spec.name}: {root} is not a CUDA source tree (no sm90/ in it)")
+    return root
 
 
 def _common_options(spec: KernelSpec, root: pathlib.Path) -> list[str]:
@@ -211,7 +232,7 @@ def _compiler_identity(compiler: str) -> str:
 
 
 def cache_key(spec: KernelSpec, compiler: str, root: pathlib.Path | None = None) -> str:
-    root = root or csrc_dir()
+    root = root or spec_root(spec)
     digest = hashlib.sha256()
     for part in (
         f"format={_CACHE_FORMAT}",
@@ -314,7 +335,7 @@ _compile_lock = threading.Lock()
 def compile_kernel(spec: KernelSpec, compiler: str | None = None, *, use_cache: bool = True) -> CompiledKernel:
     """Compiles `spec` (or takes it from the disk cache). Needs no GPU."""
     compiler = compiler or choose_compiler()
-    root = csrc_dir()
+    root = spec_root(spec)
     key = cache_key(spec, compiler, root)
     path = cache_dir() / f"{spec.name}-{key[:40]}.cubin"
     log_path = path.with_suffix(".log")

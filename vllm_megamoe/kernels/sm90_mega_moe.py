@@ -78,10 +78,11 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
     trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
-    key = (shape, choice, ablate, trace, trace_task)
+    csrc = jit.csrc_override()  # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build
+    key = (shape, choice, ablate, trace, trace_task, csrc)
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
-        cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task)
+        cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, csrc)
     return cache[key]
 
 
@@ -130,7 +131,7 @@ def chunk_trace_task_from_env() -> int:
 
 
 def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0,
-               trace: bool = False, trace_task: int = DEFAULT_TRACE_TASK) -> jit.KernelSpec:
+               trace: bool = False, trace_task: int = DEFAULT_TRACE_TASK, csrc: str = "") -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
     require(sm90_tuning.tile_supported(fmt, choice.tile),
             "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
@@ -156,7 +157,7 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
         logger.warning("VLLM_MEGAMOE_SM90_CHUNK_TRACE=1: profiling build, it writes clock values inside the K loop "
                        "when called with a phase clock")
         defines.update(MEGAMOE_CHUNK_TRACE=1, MEGAMOE_TRACE_TASK=trace_task)
-    return jit.KernelSpec.make(SOURCE, ENTRY, defines)
+    return jit.KernelSpec.make(SOURCE, ENTRY, defines, csrc=csrc)
 
 
 def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:
