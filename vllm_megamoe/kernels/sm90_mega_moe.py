@@ -78,11 +78,12 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
     trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
-    csrc = jit.csrc_override()  # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build
-    key = (shape, choice, ablate, trace, trace_task, csrc)
+    # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build (the raw value keys the cache,
+    # so the per-call lookup resolves no path)
+    key = (shape, choice, ablate, trace, trace_task, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"))
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
-        cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, csrc)
+        cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, jit.csrc_override())
     return cache[key]
 
 
