@@ -73,12 +73,12 @@ MEGAMOE_DEVICE void mbarrier_wait(u64* bar, u32 parity, int tag) {
 }
 
 // ---------------------------------------------------------------- fences and barriers
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
-// (wgmma / TMA store reading data written with st.shared).
 // Orders global-memory writes seen through the generic proxy (other CTAs' stores, acquired)
 // before this thread's later async-proxy (TMA) reads of the same memory.
 MEGAMOE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
+// (wgmma / TMA store reading data written with st.shared).
 MEGAMOE_DEVICE void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }

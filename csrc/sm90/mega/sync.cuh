@@ -34,6 +34,11 @@ MEGAMOE_DEVICE void red_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A release / acquire fence at system scope (MEMBAR.ALL.SYS). __threadfence_system() is
+// fence.sc.sys (MEMBAR.SC.SYS), a sequentially consistent fence the barriers below do not need:
+// they pass messages (writes, then a release; an acquire, then reads), which acq_rel orders.
+MEGAMOE_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 // Names of the phases a wait can stall in (printed on timeout).
 enum Phase : int {
   kPhaseAnnounce = 0, kPhaseDispatchBarrier, kPhasePull, kPhaseL1, kPhaseL2, kPhaseCombineBarrier,
@@ -79,10 +84,12 @@ struct Deadline {
 // All CTAs of this launch meet. SM 0 adds (0x80000000 - (n - 1)), the others add 1, so each
 // barrier flips the top bit exactly once: waiters watch for the flip and the counter never needs
 // resetting between barriers or calls.
+// It orders this GPU's memory only: the add is a release at GPU scope, and after the
+// __syncthreads it covers every thread's earlier writes (release is cumulative). Writes to peers
+// before a barrier need nvlink_barrier's system-scope fence.
 MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u64 timeout_ns, int* record) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();  // peer-memory writes of this CTA are visible before we arrive
     const u32 add = blockIdx.x == 0 ? 0x80000000u - (num_ctas - 1) : 1u;
     const u32 old = atom_add_release_gpu(counter, add);
     const Deadline deadline{global_timer_ns(), timeout_ns};
@@ -124,14 +131,15 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32
   __shared__ u32 last_to_arrive;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();  // the CTA's writes (to peers too) before its arrival
+    fence_acq_rel_sys();  // the CTA's writes (to peers too) before its arrival
     last_to_arrive = atom_inc_acq_rel_gpu(arrivals, num_ctas - 1) == num_ctas - 1;
   }
   __syncthreads();
   if (last_to_arrive) {  // CTA-uniform: every CTA of this rank arrived, their writes are visible here
     on_last();
-    __threadfence_system();
     __syncthreads();
+    // Each signal is a release at system scope: after the __syncthreads it carries on_last's
+    // writes and, through the arrivals acquired above, every CTA's.
     if (threadIdx.x < kNumRanks)
       red_add_release_sys(reinterpret_cast<int*>(peers[threadIdx.x] + kOffWorkspace) + kSlotNvlSignal0 + barrier, 1);
   }
