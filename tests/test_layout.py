@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from vllm_megamoe import BufferLayout, MoEShape
-from vllm_megamoe.layout import ALIGN_BYTES, WORKSPACE_SLOTS
+from vllm_megamoe.layout import ALIGN_BYTES, NVL_ARRIVED_RANKS, WORKSPACE_INTS, WORKSPACE_SLOTS
 
 
 @st.composite
@@ -56,6 +56,19 @@ def test_views_and_header():
         lay.view(buf, "nope")
     with pytest.raises(ValueError, match="bytes, layout needs"):
         lay.view(buf[:100], "x")
+
+
+def test_nvlink_arrival_slots_are_one_block_per_barrier():
+    """The SM90 kernel addresses nvl_arrived_<barrier>_<rank> as first slot + barrier * ranks + rank
+    (csrc/sm90/mega/config.cuh derives the stride from the slots), so they must be consecutive,
+    barrier-major, one per rank the kernel supports, and fit the workspace."""
+    first = WORKSPACE_SLOTS.index("nvl_arrived_0_0")
+    for b in range(2):
+        for r in range(NVL_ARRIVED_RANKS):
+            assert WORKSPACE_SLOTS.index(f"nvl_arrived_{b}_{r}") == first + b * NVL_ARRIVED_RANKS + r
+    assert len(WORKSPACE_SLOTS) == len(set(WORKSPACE_SLOTS)) <= WORKSPACE_INTS
+    from vllm_megamoe.kernels import sm90_mega_moe
+    assert sm90_mega_moe.MAX_RANKS == NVL_ARRIVED_RANKS
 
 
 def test_memory_grows_as_documented():

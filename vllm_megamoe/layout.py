@@ -7,9 +7,10 @@ kernels receive the same offsets through `c_header()` (generated, never hand-wri
 Regions, in order (each 128-byte aligned):
   workspace           int32 [64]        counters and flags, see WORKSPACE_SLOTS
   expert_send_count   int32 [E]         tokens this rank sends to each global expert (per call)
-  expert_recv_count   int32 [R, El]     written by rank r: tokens it sends to my local experts
-  token_send_count    int32 [R]         SM90 kernel: tokens this rank sends to each rank (per call)
-  recv_token_count    int32 [R]         SM90 kernel, written by rank r: how many of its tokens it lists here
+  expert_recv_count   int32 [R, El]     unused (older SM90 kernel trees: what rank r sent to my local experts)
+  token_send_count    int32 [R]         SM90 kernel: tokens this rank sends to each rank (per call);
+                                        with expert_send_count, read by the destinations
+  recv_token_count    int32 [R]         unused (older SM90 kernel trees: how many tokens rank r listed here)
   recv_tokens         int32 [R, T]      SM90 kernel, written by rank r: those tokens, each once
   recv_token_pairs    int32 [R, T, K]   SM90 kernel, written by rank r: per listed token and top-k slot,
                                         local expert * T + position of the pair here, or -1
@@ -58,8 +59,14 @@ WORKSPACE_SLOTS = (
     "error_flag",      # non-zero when a device-side check failed (see buffer.check_errors)
     "call_count",      # calls completed on this buffer (the SM90 kernel's NVLink barrier targets)
     "rank_arrivals",   # SM90 kernel: CTAs of this rank at the current NVLink barrier (back to 0 after)
+    # SM90 kernel: per NVLink barrier b and source rank r, the arrivals of r's CTAs here, growing
+    # by the same amount every call (csrc/sm90/mega/sync.cuh); nvl_barrier_signal_* are what older
+    # kernel trees used, kept so that they still build under this layout for A/B runs
+    *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(8)),
 )
+NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's rank limit
 WORKSPACE_INTS = 64
+assert len(WORKSPACE_SLOTS) <= WORKSPACE_INTS
 
 _DTYPE_NAMES = {
     torch.int32: "int32", torch.float32: "float32", torch.bfloat16: "bfloat16",

@@ -1,5 +1,5 @@
 // The fused SM90 mega MoE kernel: one persistent launch per MoE layer and rank.
-//   stage + announce -> [NVLink barrier, counts published] -> pull -> L1 + SwiGLU -> (per token
+//   stage + announce -> [NVLink barrier] -> counts read from the peers, pull -> L1 + SwiGLU -> (per token
 //   block) L2 + combine writes -> [NVLink barrier] -> top-k reduce -> counters reset
 // The pull and L1 are separated by a grid-wide barrier, L1 -> L2 by per-token-block counters;
 // GEMM tasks go to CTAs in index order as they ask (task_queue.cuh);
@@ -50,8 +50,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   stage_tokens(p, me);
   announce_pairs(p, me);
   mark_phase(p, kMarkStaged);
-  nvlink_barrier(p.peers, p.rank, num_ctas, calls, 0, kPhaseDispatchBarrier, p.timeout_ns, p.error_record,
-                 [&] { publish_counts(p, me); });
+  nvlink_barrier(p.peers, p.rank, num_ctas, calls, 0, kPhaseDispatchBarrier, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkDispatched);
 
   build_expert_table(table, p, me);
@@ -84,7 +83,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   });
   loop_end(p, clock, kSpanL2Loop);
   mark_phase(p, kMarkL2Done);
-  nvlink_barrier(p.peers, p.rank, num_ctas, calls, 1, kPhaseL2, p.timeout_ns, p.error_record, [] {});
+  nvlink_barrier(p.peers, p.rank, num_ctas, calls, 1, kPhaseL2, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkCombined);
   reset_l1_blocks(me, blocks);
   reset_task_counters(me);

@@ -40,7 +40,7 @@ def describe(values: list[int]) -> Optional[str]:
                 f"(counter {a & 0xffffffff:#010x}, arrived at {b & 0xffffffff:#010x}); were all {c} CTAs "
                 "resident? Lower VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.")
     if kind == KIND_NVLINK_TIMEOUT:
-        return (f"megamoe: rank {rank} timed out in {where}: {a} ranks arrived (signal {b}, target {c}); "
+        return (f"megamoe: rank {rank} timed out in {where}: {a} of {c} ranks arrived, rank {b} did not; "
                 "a peer rank did not launch this call or died.")
     if kind == KIND_BLOCK_TIMEOUT:
         return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: token block {a} has {b} of its {c} L1 "

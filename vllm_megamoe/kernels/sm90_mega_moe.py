@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..buffer import SymmBuffer
+from ..layout import NVL_ARRIVED_RANKS
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
@@ -25,7 +26,7 @@ from .sm90_tuning import TMA_MAINLOOPS, WGMMA_MAINLOOPS, Choice
 SOURCE = "sm90/mega_moe_kernel.cu"
 ENTRY = "megamoe_sm90_fused"
 NUM_THREADS = 256
-MAX_RANKS = 8
+MAX_RANKS = NVL_ARRIVED_RANKS  # one arrival word per source rank and NVLink barrier (layout)
 MAX_LOCAL_EXPERTS = 512
 # Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
 #   "tma" (the heuristic's): the wgmma stages filled by TMA box copies on per-stage mbarriers (one

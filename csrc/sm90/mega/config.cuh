@@ -33,9 +33,7 @@ static_assert(MEGAMOE_SMEM_MAINLOOP >= 0 && MEGAMOE_SMEM_MAINLOOP <= 3, "MEGAMOE
 // Region offsets in bytes from the start of a rank's buffer.
 constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;
 constexpr u64 kOffSendCount = MEGAMOE_OFF_expert_send_count;
-constexpr u64 kOffRecvCount = MEGAMOE_OFF_expert_recv_count;
 constexpr u64 kOffTokenSendCount = MEGAMOE_OFF_token_send_count;
-constexpr u64 kOffRecvTokenCount = MEGAMOE_OFF_recv_token_count;
 constexpr u64 kOffRecvTokens = MEGAMOE_OFF_recv_tokens;
 constexpr u64 kOffRecvTokenPairs = MEGAMOE_OFF_recv_token_pairs;
 constexpr u64 kOffX = MEGAMOE_OFF_x;
@@ -54,7 +52,8 @@ constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
 // Workspace slots (int32 indices into the workspace region).
 constexpr u32 kSlotGridSync = MEGAMOE_SLOT_grid_sync_0;
 constexpr u32 kSlotRankArrivals = MEGAMOE_SLOT_rank_arrivals;
-constexpr u32 kSlotNvlSignal0 = MEGAMOE_SLOT_nvl_barrier_signal_0;
+constexpr u32 kSlotNvlArrived = MEGAMOE_SLOT_nvl_arrived_0_0;  // [barrier][source rank], kNvlArrivedRanks per barrier
+constexpr u32 kNvlArrivedRanks = MEGAMOE_SLOT_nvl_arrived_1_0 - MEGAMOE_SLOT_nvl_arrived_0_0;
 constexpr u32 kSlotL1TaskCounter = MEGAMOE_SLOT_l1_task_counter;
 constexpr u32 kSlotL2TaskCounter = MEGAMOE_SLOT_l2_task_counter;
 constexpr u32 kSlotNumTokens = MEGAMOE_SLOT_num_tokens;
@@ -78,7 +77,7 @@ constexpr u32 kRowBytesL2 = kBufInter * kElemBytes;    // staging_l2 row pitch i
 
 static_assert(kHidden % kScaleBlock == 0 && kInter % kScaleBlock == 0, "H and I must be multiples of 128");
 static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for the L2 tile");
-static_assert(kNumRanks <= 8, "this kernel addresses at most 8 ranks");
+static_assert(kNumRanks <= 8 && kNumRanks <= kNvlArrivedRanks, "this kernel addresses at most 8 ranks");
 static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) && MEGAMOE_SMEM_MAINLOOP >= 2),
               "token tiles are 32 rows, or 64 / 128 with the wgmma / tma mainloops");
 // FP8 promotes two 64-float partials per chunk next to 128 accumulators at 128 tokens: spills,

@@ -129,32 +129,24 @@ MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
   }
 }
 
-// Run by one CTA once every CTA announced (the dispatch barrier's last arrival): tell each
-// destination how many pairs it gets per local expert and how many of this rank's tokens it lists.
-MEGAMOE_DEVICE void publish_counts(const Params& p, const Regions& me) {
-  for (u32 e = threadIdx.x; e < kNumExperts; e += kNumThreads) {
-    const u32 dst = e / kNumLocalExperts, local = e % kNumLocalExperts;
-    Regions peer{p.peers[dst]};
-    const u32 sent = ld_cg_u32(reinterpret_cast<const u8*>(me.send_count() + e));
-    peer.recv_count()[p.rank * kNumLocalExperts + local] = static_cast<int>(sent < kMaxTokens ? sent : kMaxTokens);
-  }
-  if (threadIdx.x < kNumRanks) {
-    Regions peer{p.peers[threadIdx.x]};
-    peer.recv_token_count()[p.rank] = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.token_send_count() + threadIdx.x)));
-  }
-}
-
-// Every CTA builds the same table from the counts peers published into our buffer.
+// Every CTA builds the same table from the counts each source rank's announce left in its own
+// buffer (send_count, token_send_count; read after the dispatch barrier, which every rank
+// signals after its announce, and zeroed by their owner only after the combine barrier, which
+// no rank reaches before it built this table): one round trip of loads from each peer instead
+// of a step in the barrier where the last CTA of each rank writes them to every peer.
 MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, const Regions& me) {
   for (u32 i = threadIdx.x; i < kNumLocalExperts * kNumRanks; i += kNumThreads) {
-    const u32 e = i / kNumRanks, r = i % kNumRanks;
-    table.src_count[e][r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_count() + r * kNumLocalExperts + e));
+    const u32 e = i % kNumLocalExperts, r = i / kNumLocalExperts;  // consecutive threads, consecutive words
+    const Regions src{p.peers[r]};
+    const u32 sent = ld_cg_u32(reinterpret_cast<const u8*>(src.send_count() + p.rank * kNumLocalExperts + e));
+    table.src_count[e][r] = sent < kMaxTokens ? sent : kMaxTokens;  // more only when a token lists an expert twice
   }
   // In the same round trip as the counts (pull_rows needs them; a load there of its own cost a
   // dependent round trip before the first row load).
   if (threadIdx.x >= kNumThreads - kNumRanks) {
     const u32 r = threadIdx.x - (kNumThreads - kNumRanks);
-    table.listed[r] = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_count() + r));
+    const Regions src{p.peers[r]};
+    table.listed[r] = ld_cg_u32(reinterpret_cast<const u8*>(src.token_send_count() + p.rank));
   }
   __syncthreads();
   // The prefix sums by warp 0: each lane sums a run of experts, a warp scan places the runs. One

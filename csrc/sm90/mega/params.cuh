@@ -28,13 +28,11 @@ struct Params {
 struct Regions {
   u8* base;
   MEGAMOE_DEVICE int* workspace() const { return reinterpret_cast<int*>(base + kOffWorkspace); }
+  // [E]: pairs this rank sends to each global expert (the destinations read them; zeroed again at
+  // the end of the call).
   MEGAMOE_DEVICE int* send_count() const { return reinterpret_cast<int*>(base + kOffSendCount); }
-  // [R, El]: written by source rank r.
-  MEGAMOE_DEVICE int* recv_count() const { return reinterpret_cast<int*>(base + kOffRecvCount); }
-  // [R]: tokens this rank lists for each rank (zeroed again at the end of the call).
+  // [R]: tokens this rank lists for each rank (the same).
   MEGAMOE_DEVICE int* token_send_count() const { return reinterpret_cast<int*>(base + kOffTokenSendCount); }
-  // [R]: written by source rank r: how many of its tokens it lists here.
-  MEGAMOE_DEVICE int* recv_token_count() const { return reinterpret_cast<int*>(base + kOffRecvTokenCount); }
   // [R, kMaxTokens]: written by source rank r: the tokens with at least one pair here, each once.
   MEGAMOE_DEVICE int* recv_tokens() const { return reinterpret_cast<int*>(base + kOffRecvTokens); }
   // [R, kMaxTokens, kBufTopk]: per listed token and top-k slot, local expert * kMaxTokens + the

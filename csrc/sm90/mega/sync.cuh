@@ -109,49 +109,45 @@ MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u
   __syncthreads();
 }
 
-MEGAMOE_DEVICE u32 atom_inc_acq_rel_gpu(u32* p, u32 limit) {  // old >= limit: back to 0
-  u32 old;
-  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
-  return old;
+MEGAMOE_DEVICE void red_inc_relaxed_gpu(u32* p, u32 limit) {  // old >= limit: back to 0
+  asm volatile("red.relaxed.gpu.global.inc.u32 [%0], %1;" ::"l"(p), "r"(limit) : "memory");
 }
 
-// All ranks meet. Each CTA arrives once on its rank's counter; the last CTA of a rank to arrive
-// runs `on_last` (the whole CTA: e.g. publishing this call's counts to the peers) and then
-// signals every rank, and every CTA waits for all ranks' signals itself: no grid sync before the
-// exchange nor after it (each a grid-wide round trip of its own).
-// The signal words only grow: barrier `barrier` of call `calls` (the call count, bumped at the
-// end of every call; the same on every rank, since every rank makes every call) is complete when
-// its word reaches kNumRanks * (calls + 1), compared modulo 2^32. A wait that times out names the
-// CTAs of its own grid still missing when there are some, else the ranks that arrived.
-template <typename OnLast>
+// What one rank's CTAs add to a rank's arrival word per barrier and call, whatever the grid size:
+// CTA 0 adds kArrivedPerCall - (CTAs - 1), every other CTA 1. Each partial sum stays below it.
+constexpr u32 kArrivedPerCall = 0x10000;
+
+// All ranks meet. Every CTA signals every rank itself (a release at system scope per rank, after
+// the __syncthreads that orders the CTA's writes, to peers too, before it), into the word that
+// rank keeps for this barrier and this source rank; then thread r < kNumRanks of every CTA waits
+// for source rank r's word. No CTA waits for another CTA of its own rank first: one hop, not the
+// two of an arrival counter whose last CTA signals.
+// The words only grow: barrier `barrier` of call `calls` (the call count, bumped at the end of
+// every call; the same on every rank, since every rank makes every call) is complete when each
+// source's word reaches kArrivedPerCall * (calls + 1), compared modulo 2^32. A wait that times out
+// reports a grid timeout while CTAs of its own rank are missing (`rank_arrivals`, a counter for
+// that alone, back to 0 once the whole grid arrived), else the NVLink timeout naming a rank that
+// did not arrive.
 MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32 calls, u32 barrier, int phase,
-                                   u64 timeout_ns, int* record, OnLast&& on_last) {
+                                   u64 timeout_ns, int* record) {
   int* ws = reinterpret_cast<int*>(peers[rank] + kOffWorkspace);
   u32* arrivals = reinterpret_cast<u32*>(ws + kSlotRankArrivals);
-  __shared__ u32 last_to_arrive;
+  const u32 word = kSlotNvlArrived + barrier * kNvlArrivedRanks;  // + source rank
   __syncthreads();
-  if (threadIdx.x == 0) {
-    fence_acq_rel_sys();  // the CTA's writes (to peers too) before its arrival
-    last_to_arrive = atom_inc_acq_rel_gpu(arrivals, num_ctas - 1) == num_ctas - 1;
+  if (threadIdx.x < kNumRanks) {
+    const u32 add = blockIdx.x == 0 ? kArrivedPerCall - (num_ctas - 1) : 1u;
+    red_add_release_sys(reinterpret_cast<int*>(peers[threadIdx.x] + kOffWorkspace) + word + rank,
+                        static_cast<int>(add));
+  } else if (threadIdx.x == kNumRanks) {
+    red_inc_relaxed_gpu(arrivals, num_ctas - 1);  // for the timeout's report only
   }
-  __syncthreads();
-  if (last_to_arrive) {  // CTA-uniform: every CTA of this rank arrived, their writes are visible here
-    on_last();
-    __syncthreads();
-    // Each signal is a release at system scope: after the __syncthreads it carries on_last's
-    // writes and, through the arrivals acquired above, every CTA's.
-    if (threadIdx.x < kNumRanks)
-      red_add_release_sys(reinterpret_cast<int*>(peers[threadIdx.x] + kOffWorkspace) + kSlotNvlSignal0 + barrier, 1);
-  }
-  if (threadIdx.x == 0) {
-    const int* signal = ws + kSlotNvlSignal0 + barrier;
-    const u32 target = kNumRanks * (calls + 1);
+  if (threadIdx.x < kNumRanks) {
+    const int* signal = ws + word + threadIdx.x;
+    const u32 target = kArrivedPerCall * (calls + 1);
     const Deadline deadline{global_timer_ns(), timeout_ns};
-    u32 seen;
-    while (static_cast<int>((seen = static_cast<u32>(ld_acquire_sys(signal))) - target) < 0) {
+    while (static_cast<int>(static_cast<u32>(ld_acquire_sys(signal)) - target) < 0) {
       if (deadline.expired()) {
-        const u32 arrived = ld_acquire_gpu(arrivals);  // back to 0 once the whole grid arrived
-        const int ranks_in = static_cast<int>(seen - kNumRanks * calls);
+        const u32 arrived = ld_acquire_gpu(arrivals);
         if (arrived != 0) {
 #if MEGAMOE_TRAP_PRINTF
           printf("megamoe: rank %d CTA %d timed out in %s waiting for the other CTAs of its grid (%u of %u "
@@ -161,14 +157,16 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32
           report_and_trap(record, kErrorGridTimeout, rank, phase, static_cast<int>(arrived),
                           static_cast<int>(arrived), static_cast<int>(num_ctas));
         }
+        int ranks_in = 0;
+        for (u32 r = 0; r < kNumRanks; ++r)
+          ranks_in += static_cast<int>(static_cast<u32>(ld_acquire_sys(ws + word + r)) - target) >= 0;
 #if MEGAMOE_TRAP_PRINTF
         if (blockIdx.x == 0)  // every CTA times out alike; one line (the record holds the first report)
-          printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived (signal %u, target %u); "
-                 "a peer rank did not launch this call or died.\n",
-                 rank, phase_name(phase), ranks_in, kNumRanks, seen, target);
+          printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived, rank %u did not; a peer rank "
+                 "did not launch this call or died.\n", rank, phase_name(phase), ranks_in, kNumRanks, threadIdx.x);
 #endif
-        report_and_trap(record, kErrorNvlinkTimeout, rank, phase, ranks_in, static_cast<int>(seen),
-                        static_cast<int>(target));
+        report_and_trap(record, kErrorNvlinkTimeout, rank, phase, ranks_in, static_cast<int>(threadIdx.x),
+                        static_cast<int>(kNumRanks));
       }
     }
   }
