@@ -339,6 +339,30 @@ def test_error_record_phases_match_the_kernel():
     assert "TMA stage 3 (use 9) never landed" in error_record.describe([kind, 1, 3, 5, 3, 9, 0, 0])
 
 
+def test_error_watchdog_logs_a_report(caplog, monkeypatch):
+    """The watchdog thread logs a record as soon as the kernel writes it (read through numpy: the
+    thread never calls into torch, which could abort the process at interpreter exit)."""
+    import logging
+    import time
+
+    import torch
+
+    from vllm_megamoe.kernels import error_record
+
+    rec = torch.zeros(error_record.RECORD_INTS, dtype=torch.int32)
+    monkeypatch.setitem(error_record._records, 99, rec)
+    monkeypatch.setitem(error_record._words, 99, rec.numpy())
+    monkeypatch.setattr(error_record, "_reported", set())
+    caplog.set_level(logging.ERROR, logger=error_record.__name__)
+    error_record._start_watchdog()
+    rec[:7] = torch.tensor([error_record.KIND_NVLINK_TIMEOUT, 1, 4, 0, 1, 0, 2], dtype=torch.int32)
+    deadline = time.time() + 5
+    while "rank 1 timed out in L2 / combine (NVLink barrier)" not in caplog.text and time.time() < deadline:
+        time.sleep(0.05)
+    assert "1 of 2 ranks arrived, rank 0 did not" in caplog.text
+    assert error_record.report(torch.device("cpu", 99)).startswith("megamoe: rank 1 timed out")
+
+
 def test_phase_clock_marks_match_the_kernel():
     """Python's mark names are the CUDA enum's, in order, and summarize reads a launch's clock."""
     from vllm_megamoe.kernels import phase_clock

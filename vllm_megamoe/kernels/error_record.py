@@ -8,11 +8,12 @@ turns it into a MegaMoEError where the caller catches the CUDA error.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
-import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..errors import BarrierTimeoutError, MegaMoEError
@@ -26,8 +27,12 @@ KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT, K
 RECORD_INTS = 8
 
 _records: dict[int, torch.Tensor] = {}
+# The same memory as numpy arrays: the watchdog reads these, so that its thread never calls into
+# torch (a daemon thread inside torch while the interpreter tears torch down can abort the process).
+_words: dict[int, np.ndarray] = {}
 _lock = threading.Lock()
 _watchdog: Optional[threading.Thread] = None
+_stop = threading.Event()
 _reported: set[int] = set()
 
 
@@ -62,6 +67,7 @@ def record_for(device: torch.device) -> torch.Tensor:
     with _lock:
         if index not in _records:
             _records[index] = torch.zeros(RECORD_INTS, dtype=torch.int32, pin_memory=True)
+            _words[index] = _records[index].numpy()
             _start_watchdog()
         return _records[index]
 
@@ -80,12 +86,17 @@ def raise_if_set(device: torch.device) -> None:
 
 
 def _watch() -> None:
-    while True:
-        time.sleep(0.2)
-        for index, rec in list(_records.items()):
-            if index not in _reported and int(rec[0]) != 0:
+    while not _stop.wait(0.2):
+        for index, words in list(_words.items()):
+            if index not in _reported and int(words[0]) != 0:
                 _reported.add(index)
-                logger.error("%s", describe(rec.tolist()))
+                logger.error("%s", describe([int(w) for w in words]))
+
+
+def _stop_watchdog() -> None:
+    _stop.set()
+    if _watchdog is not None:
+        _watchdog.join(timeout=1.0)
 
 
 def _start_watchdog() -> None:
@@ -93,3 +104,4 @@ def _start_watchdog() -> None:
     if _watchdog is None:
         _watchdog = threading.Thread(target=_watch, name="megamoe-error-watchdog", daemon=True)
         _watchdog.start()
+        atexit.register(_stop_watchdog)  # before the interpreter finalizes modules
