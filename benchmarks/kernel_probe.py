@@ -157,6 +157,10 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
                            graph_us=median_us(times), rel_err_vs_first_variant=err, out_sha1=digest,
                            clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
                            phases_us=phase_row(summary) if summary else {},
+                           # every mark's first and latest CTA (us from the first CTA's start): the
+                           # steps inside a phase, e.g. staged -> dispatched (the dispatch barrier)
+                           marks_us={m: [round(v["first_us"], 3), round(v["last_us"], 3)]
+                                     for m, v in summary.get("marks", {}).items()},
                            task_us=summary.get("task_us", {}) if summary else {},
                            chunk_trace=summary.get("chunk_trace", {}) if summary else {})
                 measured.setdefault(variant, []).append(row)
