@@ -120,7 +120,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
         # A buffer per source tree: trees may differ in the barrier protocol (which workspace words
         # a call signals and waits on, against targets from the buffer's call count), so one tree's
         # calls must not move another's counters.
-        trees = {variant_env(v).get("VLLM_MEGAMOE_CSRC_DIR", "") for v in variants}
+        trees = {variant_env(v).get(KNOBS["csrc"], "") for v in variants}
         bufs = {t: SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev) for t in sorted(trees)}
         for tokens in tokens_list:
             sets, static, load = rotating_inputs(shape, tokens, dev, rank + 7 * tokens, group)
@@ -132,7 +132,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
             # one build 18 % apart at 1 token, docs/kernel_notes.md v15) then reaches every variant.
             for variant in [v for _ in range(rounds) for v in variants]:
                 env = variant_env(variant)
-                buf = bufs[env.get("VLLM_MEGAMOE_CSRC_DIR", "")]
+                buf = bufs[env.get(KNOBS["csrc"], "")]
                 with scoped_env(env):
                     out = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
                     if baseline is None:

@@ -50,6 +50,7 @@ TOKEN_ALIGN = 8  # max tokens per rank is rounded up to this
 SCALE_GROUP = 128
 KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks (l1_block_done)
 
+NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's rank limit
 # Slots of the int32 workspace region; the names are shared with csrc/ through c_header().
 WORKSPACE_SLOTS = (
     "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",
@@ -62,9 +63,8 @@ WORKSPACE_SLOTS = (
     # SM90 kernel: per NVLink barrier b and source rank r, the arrivals of r's CTAs here, growing
     # by the same amount every call (csrc/sm90/mega/sync.cuh); nvl_barrier_signal_* are what older
     # kernel trees used, kept so that they still build under this layout for A/B runs
-    *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(8)),
+    *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(NVL_ARRIVED_RANKS)),
 )
-NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's rank limit
 WORKSPACE_INTS = 64
 assert len(WORKSPACE_SLOTS) <= WORKSPACE_INTS
 

@@ -77,7 +77,7 @@ constexpr u32 kRowBytesL2 = kBufInter * kElemBytes;    // staging_l2 row pitch i
 
 static_assert(kHidden % kScaleBlock == 0 && kInter % kScaleBlock == 0, "H and I must be multiples of 128");
 static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for the L2 tile");
-static_assert(kNumRanks <= 8 && kNumRanks <= kNvlArrivedRanks, "this kernel addresses at most 8 ranks");
+static_assert(kNumRanks <= kNvlArrivedRanks, "this kernel addresses at most 8 ranks (an arrival word each)");
 static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) && MEGAMOE_SMEM_MAINLOOP >= 2),
               "token tiles are 32 rows, or 64 / 128 with the wgmma / tma mainloops");
 // FP8 promotes two 64-float partials per chunk next to 128 accumulators at 128 tokens: spills,
