@@ -214,3 +214,35 @@ def test_phase_clock_orders_the_phases_on_one_gpu():
     with pytest.raises(ValueError, match="phase_clock"):
         sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, phase_clock=clock[:1])
     buf.destroy()
+
+
+@requires_sm90
+def test_topk_ids_int32_and_int64_one_gpu():
+    """int64 ids (torch.topk's dtype) are read as they come, without a conversion kernel: the
+    output is bit-identical to int32 ids', and a captured call whose int64 id lies outside
+    [-1, E) but would wrap into range as int32 (2**32 + 1 -> 1) is flagged, not routed."""
+    from mega_cases import global_weights, inputs
+    from vllm_megamoe import MegaMoEError, SymmBuffer, portable
+    from vllm_megamoe.kernels import sm90_mega_moe
+    shape = SHAPES["small-odd"]
+    dev = torch.device("cuda", 0)
+    weights = global_weights(shape, "fp8-block", dev)
+    buf = SymmBuffer(shape, 64, None, format="fp8-block", device=dev)
+    x, idx, tw = inputs(shape, [37], "masked", 21, dev)[0]
+    assert idx.dtype == torch.int64
+    y64 = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf)
+    y32 = sm90_mega_moe.mega_moe(x, idx.to(torch.int32), tw, weights, buf)
+    torch.cuda.synchronize()
+    assert torch.equal(y64.view(torch.int16), y32.view(torch.int16))
+    portable.check_errors(buf)
+    static = [x.clone(), idx.clone(), tw.clone()]
+    y = torch.empty_like(y64)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # no host-side id check under capture: the kernel's own check
+        sm90_mega_moe.mega_moe(*static, weights, buf, y=y)
+    static[1][3, 0] = 2 ** 32 + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(MegaMoEError, match="outside"):
+        portable.check_errors(buf)
+    buf.destroy()

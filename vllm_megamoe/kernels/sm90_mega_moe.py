@@ -49,7 +49,7 @@ class _Params(ctypes.Structure):
                 ("phase_clock", ctypes.c_void_p),
                 ("peers", ctypes.c_void_p * MAX_RANKS), ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("has_clamp", ctypes.c_int),
-                ("clamp", ctypes.c_float)]
+                ("clamp", ctypes.c_float), ("topk_idx_int64", ctypes.c_int)]
 
 
 def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
@@ -245,7 +245,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             f"the SymmBuffer must live on {x.device} (it is a {buffer.backend!r} buffer on {buffer.device})")
     kw = prepare_weights(weights)
     x = x.to(torch.bfloat16).contiguous()
-    idx = topk_idx.to(torch.int32).contiguous()
+    # int32 and int64 ids are read as they come (no conversion kernel before the launch)
+    idx = topk_idx.contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
     t = x.shape[0]
     if y is None:
@@ -274,6 +275,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         params.peers[r] = ptr
     params.timeout_ns = int(buffer.timeout_s * 1e9)
     params.num_tokens, params.rank = t, buffer.rank
+    params.topk_idx_int64 = int(idx.dtype == torch.int64)
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
     maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop in TMA_MAINLOOPS else [_NO_MAP] * 4

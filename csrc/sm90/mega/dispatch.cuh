@@ -69,12 +69,17 @@ MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
     // (the stores below may alias the inputs for the compiler), kTopk round trips per token.
     int expert[kTopk];
     float weight[kTopk];
+    bool bad = false;
 #pragma unroll
     for (u32 slot = 0; slot < kTopk; ++slot) {
-      expert[slot] = p.topk_idx[token * kTopk + slot];
+      if (p.topk_idx_int64) {  // an id outside int's range is as bad as one outside [-1, E)
+        const long long id = static_cast<const long long*>(p.topk_idx)[token * kTopk + slot];
+        expert[slot] = id < -1 || id >= static_cast<long long>(kNumExperts) ? -2 : static_cast<int>(id);
+      } else {
+        expert[slot] = static_cast<const int*>(p.topk_idx)[token * kTopk + slot];
+      }
       weight[slot] = p.topk_weights[token * kTopk + slot];
     }
-    bool bad = false;
     u32 dst_mask = 0;
 #pragma unroll
     for (u32 slot = 0; slot < kTopk; ++slot) {

@@ -7,7 +7,7 @@ namespace megamoe::mega {
 
 struct Params {
   const u16* x;               // [T, H] bf16: this rank's tokens
-  const int* topk_idx;        // [T, K] int32 global expert ids, -1 masked
+  const void* topk_idx;       // [T, K] global expert ids, -1 masked: int32, or int64 when topk_idx_int64
   const float* topk_weights;  // [T, K]
   u16* y;                     // [T, H] bf16 output
   const u8* w13;              // [El, 2I, H] fp8 or bf16, gate/up interleaved by 8
@@ -22,6 +22,9 @@ struct Params {
   int rank;
   int has_clamp;
   float clamp;
+  // Whether topk_idx holds int64 (torch.topk's dtype): read as it comes, so that a call does not
+  // start with a conversion kernel. Last, so that older kernel trees still read the fields above.
+  int topk_idx_int64;
 };
 
 // Region pointers of one rank's buffer.
