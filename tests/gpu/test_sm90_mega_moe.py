@@ -246,3 +246,30 @@ def test_topk_ids_int32_and_int64_one_gpu():
     with pytest.raises(MegaMoEError, match="outside"):
         portable.check_errors(buf)
     buf.destroy()
+
+
+@requires_sm90
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_unaligned_x_and_y_one_gpu(fmt):
+    """The kernel moves x and y in 16-byte vectors: an x viewed at a 2-byte offset is staged from an
+    aligned copy (same output, bit for bit), a y at such an offset is refused with a message."""
+    from mega_cases import global_weights, inputs
+    from vllm_megamoe import SymmBuffer
+    from vllm_megamoe.kernels import sm90_mega_moe
+    shape = SHAPES["qwen3-30b-a3b"]
+    dev = torch.device("cuda", 0)
+    weights = global_weights(shape, fmt, dev)
+    buf = SymmBuffer(shape, 64, None, format=fmt, device=dev)
+    x, idx, tw = inputs(shape, [45], "uniform", 31, dev)[0]
+    flat = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device=dev)
+    x_odd = flat[1:].view_as(x)
+    x_odd.copy_(x)
+    assert x_odd.data_ptr() % 16 == 2 and x_odd.is_contiguous()
+    y = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf)
+    y_odd_x = sm90_mega_moe.mega_moe(x_odd, idx, tw, weights, buf)
+    torch.cuda.synchronize()
+    assert torch.equal(y.view(torch.int16), y_odd_x.view(torch.int16))
+    out = torch.empty(y.numel() + 1, dtype=torch.bfloat16, device=dev)[1:].view_as(y)
+    with pytest.raises(ValueError, match="16-byte"):
+        sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, y=out)
+    buf.destroy()

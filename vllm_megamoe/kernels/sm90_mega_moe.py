@@ -245,6 +245,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             f"the SymmBuffer must live on {x.device} (it is a {buffer.backend!r} buffer on {buffer.device})")
     kw = prepare_weights(weights)
     x = x.to(torch.bfloat16).contiguous()
+    if x.data_ptr() % 16:  # the kernel loads x in 16-byte vectors; a view at an odd offset is copied
+        x = x.clone()
     # int32 and int64 ids are read as they come (no conversion kernel before the launch)
     idx = topk_idx.contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
@@ -252,6 +254,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if y is None:
         y = torch.empty(t, shape.hidden, dtype=torch.bfloat16, device=x.device)
     check_tensor("y", y, dtype=torch.bfloat16, shape=(t, shape.hidden), contiguous=True)
+    require(y.data_ptr() % 16 == 0, f"y must start on a 16-byte boundary (the kernel stores 16-byte vectors); "
+            f"its address is {y.data_ptr():#x}: pass a freshly allocated tensor or a view at a multiple of 8 elements")
     load_kernel(shape, buffer)  # once per shape and set of builds: compile all, then one collective
     choice = sm90_tuning.choose(shape, buffer.layout.format, buffer.num_ranks, t)
     spec = kernel_spec(shape, buffer, choice)

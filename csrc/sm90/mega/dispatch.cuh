@@ -13,43 +13,56 @@ namespace megamoe::mega {
 MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
 MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
 
-// x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 128-group),
-// kStageBatch of a warp's items loaded before any is converted (one load latency per batch).
-constexpr u32 kStageBatch = 4;
+// x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 256 values):
+// a lane loads 16 bytes, each half-warp is one 128-value scale group (hidden is a multiple of
+// 256), and a warp has kStageBatch items' loads in flight before it converts any. With 8-byte
+// loads and 4 items (8 KB in flight per SM) the staging was bound by load latency at prefill:
+// the dispatch phase of an 8192-token call took 97 / 185 / 56 us (V4-Flash- / DeepSeek-V3- /
+// Qwen3-like, one H200), with 16-byte loads and 8 items 59 / 100 / 35 (docs/kernel_notes.md v17).
+constexpr u32 kStageBatch = 8;
+constexpr u32 kStageValues = 256;  // bf16 values per warp item
+static_assert(kHidden % kStageValues == 0, "staging takes 256 values per warp item");
 
 MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
-  const u32 groups = kHidden / kScaleBlock, items = p.num_tokens * groups;
+  const u32 pieces = kHidden / kStageValues, items = p.num_tokens * pieces;
   for (u32 item0 = global_warp(); item0 < items; item0 += kStageBatch * total_warps()) {
-    uint2 batch[kStageBatch];
+    uint4 batch[kStageBatch];
 #pragma unroll
     for (u32 b = 0; b < kStageBatch; ++b) {
       const u32 item = item0 + b * total_warps();  // warp-uniform
       if (item < items)
-        batch[b] = *reinterpret_cast<const uint2*>(p.x + static_cast<u64>(item / groups) * kHidden +
-                                                   (item % groups) * kScaleBlock + lane * 4);
+        batch[b] = __ldcs(reinterpret_cast<const uint4*>(p.x + static_cast<u64>(item / pieces) * kHidden +
+                                                         (item % pieces) * kStageValues) + lane);
     }
 #pragma unroll
     for (u32 b = 0; b < kStageBatch; ++b) {
       const u32 item = item0 + b * total_warps();
       if (item >= items) break;
-      const uint2 raw = batch[b];
-      const u32 token = item / groups, group = item % groups;
-      const u32 col = group * kScaleBlock + lane * 4;
+      const uint4 raw = batch[b];
+      const u32 token = item / pieces;
+      const u32 col = (item % pieces) * kStageValues + lane * 8;  // this lane's 8 values
       if constexpr (kFP8) {
-        float v[4] = {bf16_to_f32(raw.x & 0xffff), bf16_to_f32(raw.x >> 16), bf16_to_f32(raw.y & 0xffff),
-                      bf16_to_f32(raw.y >> 16)};
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+        float v[8];
 #pragma unroll
-        for (int s = 16; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+        for (int i = 0; i < 4; ++i) v[2 * i] = bf16_to_f32(w[i] & 0xffff), v[2 * i + 1] = bf16_to_f32(w[i] >> 16);
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+        for (int s = 8; s > 0; s /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));  // within the half-warp
         const float scale = fmaxf(amax, kAmaxFloor) * (1.0f / kFP8Max);
-        const float inv = 1.0f / scale;  // one division, four multiplies
-        const u32 packed = static_cast<u32>(f32x2_to_e4m3x2(v[0] * inv, v[1] * inv)) |
-                           (static_cast<u32>(f32x2_to_e4m3x2(v[2] * inv, v[3] * inv)) << 16);
-        *reinterpret_cast<u32*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;
-        if (lane == 0) me.x_scale()[static_cast<u64>(token) * (kBufHidden / kScaleBlock) + group] = scale;
+        const float inv = 1.0f / scale;  // one division, eight multiplies
+        uint2 packed;
+        packed.x = static_cast<u32>(f32x2_to_e4m3x2(v[0] * inv, v[1] * inv)) |
+                   (static_cast<u32>(f32x2_to_e4m3x2(v[2] * inv, v[3] * inv)) << 16);
+        packed.y = static_cast<u32>(f32x2_to_e4m3x2(v[4] * inv, v[5] * inv)) |
+                   (static_cast<u32>(f32x2_to_e4m3x2(v[6] * inv, v[7] * inv)) << 16);
+        *reinterpret_cast<uint2*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col) = packed;
+        if (lane % 16 == 0) me.x_scale()[static_cast<u64>(token) * (kBufHidden / kScaleBlock) + col / kScaleBlock] = scale;
       } else {
-        *reinterpret_cast<uint2*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col * 2) = raw;
+        *reinterpret_cast<uint4*>(me.x() + static_cast<u64>(token) * kRowBytesL1 + col * 2) = raw;
       }
     }
   }
