@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (2 H200s, about 4-5 minutes, under 10 by construction): carried wheels, ceilings, then the
 # benchmark of the three standard shapes (FP8, uniform + skewed routing, trimmed token list);
-# results to $OUT: bench_ep2.json, bench_ep2_latency.png, bench_ep2_roofline.png, bench.log, env.txt.
+# results to $OUT: bench_ep2.json, bench_ep2_latency.png, bench_ep2_roofline.png, bench.log, env.txt,
+# clocks.csv (SM and memory clocks, power and temperature per second).
 # Usage on the device machine, from the repository root:
 #     MEGAMOE_COMMIT=<sha> bash scripts/device_bench.sh          (carry: .whl for the SGLang baseline)
 # Knobs (environment): GPUS, SHAPES, TOKENS, FORMATS, ITERS, SHAPE_TIMEOUT (s per shape), SHAPE_BUDGET.
@@ -46,6 +47,14 @@ else
   echo "no .whl/ carried: the SGLang baseline will be skipped"
 fi
 
+# The SM clock, power and temperature every second through the run: two machine leases ran
+# the same prefill cases up to ~10 % apart (the SM clock drops to ~1.5 GHz under FP8 prefill,
+# docs/kernel_notes.md v17), and this says which lease was throttled when.
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -l 1 \
+  > "$OUT/clocks.csv" 2>/dev/null &
+CLOCKS_PID=$!
+trap 'kill $CLOCKS_PID 2>/dev/null' EXIT
+
 stamp "ceilings"
 CEIL="$WORK/ceilings.json"
 timeout -k 10 90 python3 -m benchmarks.ceilings --gpus "$GPUS" --out "$CEIL" --timeout 75
@@ -80,5 +89,6 @@ else
   cp "$WORK"/$NAME.*.json "$OUT"/ 2>/dev/null
   [ -f "$CEIL" ] && cp "$CEIL" "$OUT"/
 fi
+kill $CLOCKS_PID 2>/dev/null
 stamp "done; files in $OUT:"
 ls -la "$OUT"
