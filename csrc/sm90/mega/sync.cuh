@@ -34,11 +34,6 @@ MEGAMOE_DEVICE void red_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// A release / acquire fence at system scope (MEMBAR.ALL.SYS). __threadfence_system() is
-// fence.sc.sys (MEMBAR.SC.SYS), a sequentially consistent fence the barriers below do not need:
-// they pass messages (writes, then a release; an acquire, then reads), which acq_rel orders.
-MEGAMOE_DEVICE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
 // Names of the phases a wait can stall in (printed on timeout).
 enum Phase : int {
   kPhaseAnnounce = 0, kPhaseDispatchBarrier, kPhasePull, kPhaseL1, kPhaseL2, kPhaseCombineBarrier,
