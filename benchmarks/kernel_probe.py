@@ -5,7 +5,7 @@
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
-`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows`
+`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
 times only), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace), `csrc=DIR` ->
 VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a commit's `csrc/` from `git archive`); several
@@ -32,12 +32,15 @@ PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
-         # tma_warm, narrow, half_rows; wrong outputs)
+         # tma_warm, narrow, half_rows, epilogue; wrong outputs)
          "ablate": "VLLM_MEGAMOE_SM90_ABLATE",
          # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
          "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",
          # which of a CTA's L1 tasks a trace build traces (default 2; 0 at a few tokens per rank)
          "trace_task": "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK",
+         # 0: the 64-token TMA builds without their epilogue warpgroup (epilogue_warpgroup.cuh); a
+         # csrc= tree from before it must run with 0 (its kernel has 256 threads)
+         "epilogue_wg": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP",
          # another source tree (a csrc/ directory, e.g. `git archive <commit> csrc` unpacked): its
          # build next to this tree's in the same process, same inputs (an A/B of two commits)
          "csrc": "VLLM_MEGAMOE_CSRC_DIR"}

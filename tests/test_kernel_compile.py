@@ -229,8 +229,14 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
     compiled = jit.compile_kernel(spec, "nvrtc")
     assert len(compiled.cubin) > 10_000
     _, spills = _resources(compiled.log)
-    assert spills == 0, compiled.log
+    # With an epilogue warpgroup the launch gives every thread 168 registers (384 threads): the
+    # Qwen3-like FP8 build keeps a few long-lived values (the call count, two parameters) in local
+    # memory around the staging and the register split, not in a K loop (~1000 spilled bytes when
+    # the K loop spills).
+    allowed = 32 if "MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines) else 0
+    assert spills <= allowed, compiled.log
     assert "serialized" not in compiled.log, compiled.log  # e.g. a function call next to wgmma (C7510)
+    assert "C75" not in compiled.log, compiled.log  # any other wgmma performance loss (C7514, C7517, ...)
     static = re.search(r"(\d+) bytes smem", compiled.log)
     if static:  # ptxas reports static shared memory; dynamic stages come on top of it
         assert int(static.group(1)) + sm90_mega_moe.dynamic_smem_bytes(spec) <= 227 * 1024
@@ -423,7 +429,7 @@ def test_chunk_trace_constants_match_the_kernel():
     assert int(consts["kTraceFirstChunk"]) == phase_clock.TRACE_FIRST_CHUNK
     assert int(consts["kTraceChunks"]) == phase_clock.TRACE_CHUNKS
     assert int(consts["kTracePoints"]) == len(phase_clock.TRACE_POINTS) == len(phase_clock.TRACE_INTERVALS)
-    assert f"kNumWarps = {phase_clock.WARPS};" in (mega / "config.cuh").read_text()
+    assert f"kNumMmaWarps = {phase_clock.WARPS};" in (mega / "config.cuh").read_text()
     # every point is written once, in order, in each lagged K loop (swap-AB and register tokens)
     for header in ("mainloop_smem.cuh", "k_loop_register_tokens.cuh"):
         loop = (mega / header).read_text()
@@ -482,6 +488,41 @@ def test_chunk_trace_build_compiles_without_spills(private_cache, monkeypatch):
     compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buf()), "nvrtc")
     assert _resources(compiled.log)[1] == 0, compiled.log
     assert "serialized" not in compiled.log, compiled.log
+    assert "C75" not in compiled.log, compiled.log
+
+
+@pytest.mark.parametrize("mainloop,tile,env,threads", [("tma", 64, None, 384), ("tma", 64, "0", 256), ("tma", 32, None, 256),
+                                                       ("wgmma", 64, None, 256), ("tma", 128, None, 256)])
+def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
+    """The 64-token TMA builds run an epilogue warpgroup (384 threads, its tile in static shared
+    memory, so one stage fewer fits), unless VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0; other builds
+    launch 256 threads."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
+    from vllm_megamoe.kernels.sm90_tuning import Choice
+
+    if env is not None:
+        monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", env)
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "bf16")
+
+    spec = sm90_mega_moe._make_spec(shape, _Buf(), Choice(mainloop, 4, tile))
+    assert sm90_mega_moe.threads_per_cta(spec) == threads
+    assert ("MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines)) == (threads == 384)
+    in_stage = sm90_smem.static_smem_bytes(128, 2, tile, "tma")
+    if threads == 384:
+        assert in_stage >= 64 * 256 * 2  # the hand-off tile
+        assert not sm90_smem.fits(shape, 2, "tma", 5, 64)
+    buf = _Buf()  # the op's per-buffer spec cache tells the two builds apart
+    assert sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile)) == spec
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "1" if env == "0" else "0")
+    other = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
+    assert (other != spec) == (mainloop == "tma" and tile == 64)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "2")
+    with pytest.raises(ValueError, match="EPILOGUE_WARPGROUP"):
+        sm90_smem.has_epilogue_warpgroup("tma", 64)
 
 
 def test_params_mirror_matches_the_kernel_struct():

@@ -7,7 +7,7 @@ from vllm_megamoe.kernels.sm90_tuning import Choice
 
 V4 = MoEShape(4096, 2048, 256, 6)
 KNOBS = ("VLLM_MEGAMOE_SM90_MAINLOOP", "VLLM_MEGAMOE_SM90_STAGES", "VLLM_MEGAMOE_SM90_TOKEN_TILE",
-         "VLLM_MEGAMOE_SM90_TUNING")
+         "VLLM_MEGAMOE_SM90_TUNING", "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP")
 
 
 @pytest.fixture
@@ -65,17 +65,21 @@ def test_environment_overrides_the_table(clean_env, tmp_path):
 
 def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
     """The table's 5 stages are for 32-token tiles; a larger tile from the environment runs as many
-    stages as fit (5 still for 64 tokens, 4 for 128), an explicit depth stays (the op refuses it)."""
+    stages as fit (4 for 64 tokens, whose epilogue warpgroup's tile takes a stage's room, 5 without
+    it, 4 for 128), an explicit depth stays (the op refuses it)."""
     from vllm_megamoe.kernels import sm90_smem
     path = _table(tmp_path, [{"max_tokens": 100000, "mainloop": "tma", "stages": 5, "tile": 32}])
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
     assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 5, 32)
-    for tile, stages in (("64", 5), ("128", 4), ("auto", 5)):
+    for tile, stages in (("64", 4), ("128", 4), ("auto", 4)):
         clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
         c = tu.choose(V4, "fp8-block", 2, 8192)
         assert (c.tile, c.stages) == (int(tile) if tile != "auto" else 64, stages)
         assert sm90_smem.fits(V4, 2, "tma", c.stages, c.tile)
         assert not sm90_smem.fits(V4, 2, "tma", c.stages + 1, c.tile)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "0")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 5, 64)
     clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "5")
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
     assert tu.choose(V4, "bf16", 2, 8192) == Choice("tma", 5, 128)

@@ -2,6 +2,7 @@
 //   stage + announce -> [NVLink barrier] -> counts read from the peers, pull -> L1 + SwiGLU -> (per token
 //   block) L2 + combine writes -> [NVLink barrier] -> top-k reduce -> counters reset
 // The pull and L1 are separated by a grid-wide barrier, L1 -> L2 by per-token-block counters;
+// the 64-token TMA builds run the GEMM epilogues on a third warpgroup (epilogue_warpgroup.cuh);
 // GEMM tasks go to CTAs in index order as they ask (task_queue.cuh);
 // every CTA of the grid must be resident (the host checks occupancy) and every wait times out
 // with a report naming the rank and the phase.
@@ -15,6 +16,45 @@
 using namespace megamoe;
 using namespace megamoe::mega;
 
+#if MEGAMOE_SMEM_MAINLOOP
+extern __shared__ __align__(16) u8 dynamic_smem[];  // the mainloop's stages (MainloopSmem)
+#endif
+
+// L1 + SwiGLU, then L2 + combine writes, task by task (the MMA warpgroups' part with an epilogue
+// warpgroup). Every value is rebuilt here from the kernel's parameters and shared memory: values
+// live across a setmaxnreg are spilled.
+MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue, TaskClock& clock, const Params& p,
+                                const TensorMap& w13_map, const TensorMap& w2_map, const TensorMap& l1_map,
+                                const TensorMap& l2_map) {
+#if MEGAMOE_SMEM_MAINLOOP
+  MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
+#else
+  MainloopSmem* mainloop = nullptr;
+#endif
+  const Regions me{p.peers[p.rank]};
+  const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
+  const u32 blocks = table.block_start[kNumLocalExperts];
+  __shared__ u32 task_slot;
+  MainloopState<kHidden> l1_state{0, false, kPhaseL1};
+  loop_start(p, clock);
+  for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, clock);
+  });
+  loop_end(p, clock, kSpanL1Loop);
+  mark_phase(p, kMarkL1Done);
+  // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
+  mark_phase(p, kMarkL2Start);
+
+  __shared__ u32 l2_ready_flags[2];
+  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u};
+  MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
+  loop_start(p, clock);
+  for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock);
+  });
+  loop_end(p, clock, kSpanL2Loop);
+}
+
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ TensorMap w13_map,
                    const __grid_constant__ TensorMap w2_map, const __grid_constant__ TensorMap l1_map,
@@ -24,7 +64,6 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   __shared__ TaskClock clock;
   task_clock_init(p, clock);
 #if MEGAMOE_SMEM_MAINLOOP
-  extern __shared__ __align__(16) u8 dynamic_smem[];
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
   init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the first grid sync)
 #else
@@ -62,30 +101,27 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 #endif
   mark_phase(p, kMarkL1Start);
 
-  const u32 blocks = table.block_start[kNumLocalExperts];
-  __shared__ u32 task_slot;
-  MainloopState<kHidden> l1_state{0, false, kPhaseL1};
-  loop_start(p, clock);
-  for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
-    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, clock);
-  });
-  loop_end(p, clock, kSpanL1Loop);
-  mark_phase(p, kMarkL1Done);
-  // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
-  mark_phase(p, kMarkL2Start);
-
-  __shared__ u32 l2_ready_flags[2];
-  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u};
-  MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
-  loop_start(p, clock);
-  for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
-    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock);
-  });
-  loop_end(p, clock, kSpanL2Loop);
+#if MEGAMOE_EPILOGUE_WARPGROUP
+  // Warpgroups 0-1 run the K loops with most of the registers, warpgroup 2 the epilogues
+  // (epilogue_warpgroup.cuh); every warp takes the launch's share again for the phases after.
+  if (threadIdx.x >= kNumMmaThreads) {
+    setmaxnreg_dec<kEpilogueRegs>();
+    run_epilogue_warpgroup(epilogue, p);
+    setmaxnreg_inc<kLaunchRegs>();
+  } else {
+    setmaxnreg_inc<kMmaRegs>();
+    gemm_phases(table, epilogue, clock, p, w13_map, w2_map, l1_map, l2_map);
+    handoff_done(epilogue);
+    setmaxnreg_dec<kLaunchRegs>();
+  }
+  __syncthreads();  // the epilogue warpgroup's last combine writes, before the barrier's release
+#else
+  gemm_phases(table, epilogue, clock, p, w13_map, w2_map, l1_map, l2_map);
+#endif
   mark_phase(p, kMarkL2Done);
   nvlink_barrier(p.peers, p.rank, num_ctas, calls, 1, kPhaseL2, p.timeout_ns, p.error_record);
   mark_phase(p, kMarkCombined);
-  reset_l1_blocks(me, blocks);
+  reset_l1_blocks(me, table.block_start[kNumLocalExperts]);
   reset_task_counters(me);
 
   reduce_combine(p, me);

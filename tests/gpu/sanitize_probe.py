@@ -21,5 +21,6 @@ if __name__ == "__main__":
         check(fmt, 40, "masked", fmt)
     # 64-token FP8 tiles: full token blocks next to narrow ones (at most 32 rows: half the columns)
     os.environ["VLLM_MEGAMOE_SM90_TOKEN_TILE"] = "64"
-    check("fp8-block", 200, "uniform", "fp8-block, 64-token tiles")
+    check("fp8-block", 200, "uniform", "fp8-block, 64-token tiles")  # with the epilogue warpgroup
+    check("bf16", 200, "uniform", "bf16, 64-token tiles")
     torch.cuda.synchronize()

@@ -273,3 +273,34 @@ def test_unaligned_x_and_y_one_gpu(fmt):
     with pytest.raises(ValueError, match="16-byte"):
         sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, y=out)
     buf.destroy()
+
+
+@requires_sm90
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_epilogue_warpgroup_is_bit_identical_one_gpu(fmt, monkeypatch):
+    """The 64-token builds' epilogue warpgroup computes what the MMA warpgroups' own epilogue does
+    (SwiGLU on the BF16-rounded gate / up, the FP8 scale per token, the combine rows): the outputs
+    of the two builds are equal bit for bit, with full and narrow token blocks, with and without
+    the activation clamp, and over several calls of one buffer."""
+    from mega_cases import global_weights, inputs
+    from vllm_megamoe import SymmBuffer
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    dev = torch.device("cuda", 0)
+    for shape_name, tokens in (("qwen3-30b-a3b", [1000, 37]), ("v4-flash", [4096, 300])):
+        shape = SHAPES[shape_name]
+        weights = global_weights(shape, fmt, dev)
+        buf = SymmBuffer(shape, max(tokens), None, format=fmt, device=dev)
+        for t, clamp in zip(tokens, (None, 0.5)):
+            x, idx, tw = inputs(shape, [t], "uniform", 41 + t, dev)[0]
+            outs = {}
+            for on, threads in (("1", 384), ("0", 256)):
+                monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", on)
+                spec = sm90_mega_moe.kernel_spec(shape, buf, sm90_tuning.choose(shape, fmt, 1, t))
+                assert sm90_mega_moe.threads_per_cta(spec) == threads  # two different builds run
+                outs[on] = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, activation_clamp=clamp)
+            torch.cuda.synchronize()
+            assert torch.isfinite(outs["1"]).all()
+            assert torch.equal(outs["1"].view(torch.int16), outs["0"].view(torch.int16)), (shape_name, t, clamp)
+        buf.destroy()

@@ -20,12 +20,13 @@ from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
 from .phase_clock import TRACE_TASK as DEFAULT_TRACE_TASK
-from .sm90_smem import SMEM_PER_BLOCK, TILE_ROWS, mainloop_smem_bytes, static_smem_bytes
+from .sm90_smem import SMEM_PER_BLOCK, TILE_ROWS, has_epilogue_warpgroup, mainloop_smem_bytes, static_smem_bytes
 from .sm90_tuning import TMA_MAINLOOPS, WGMMA_MAINLOOPS, Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
 ENTRY = "megamoe_sm90_fused"
-NUM_THREADS = 256
+NUM_THREADS = 256  # two MMA warpgroups; builds with an epilogue warpgroup: EPILOGUE_WARPGROUP_THREADS
+EPILOGUE_WARPGROUP_THREADS = 384
 MAX_RANKS = NVL_ARRIVED_RANKS  # one arrival word per source rank and NVLink barrier (layout)
 MAX_LOCAL_EXPERTS = 512
 # Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
@@ -80,25 +81,27 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
     trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
     # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build (the raw value keys the cache,
-    # so the per-call lookup resolves no path)
-    key = (shape, choice, ablate, trace, trace_task, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"))
+    # so the per-call lookup resolves no path); so is a build without its epilogue warpgroup
+    key = (shape, choice, ablate, trace, trace_task, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"),
+           has_epilogue_warpgroup(choice.mainloop, choice.tile))
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
         cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, jit.csrc_override())
     return cache[key]
 
 
-# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows
+# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue
 # ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
 # staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
 # math runs on stale stages; tma_warm: only each CTA's first S chunks are copied, later chunks
 # compute on those real bytes; narrow: every task of an FP8 64-token build computes only its first
-# 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; MEGAMOE_ABLATE,
+# 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; epilogue:
+# the epilogue warpgroup takes each hand-off and computes and stores nothing; MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
-             "half_rows": 128}
+             "half_rows": 128, "epilogue": 256}
 
 
 def ablation_from_env() -> int:
@@ -151,6 +154,8 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                 f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "
                 "(VLLM_MEGAMOE_SM90_STAGES or the tuning table)")
         defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
+    if has_epilogue_warpgroup(choice.mainloop, choice.tile):
+        defines.update(MEGAMOE_EPILOGUE_WARPGROUP=1)
     if ablate:
         logger.warning("VLLM_MEGAMOE_SM90_ABLATE=%s: profiling build, its outputs are wrong",
                        os.environ.get("VLLM_MEGAMOE_SM90_ABLATE"))
@@ -164,6 +169,11 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
 
 def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:
     return int(dict(spec.defines).get("MEGAMOE_MAINLOOP_SMEM_BYTES", 0))
+
+
+def threads_per_cta(spec: jit.KernelSpec) -> int:
+    """The build's CTA size: 384 with an epilogue warpgroup, else 256 (its __launch_bounds__)."""
+    return EPILOGUE_WARPGROUP_THREADS if dict(spec.defines).get("MEGAMOE_EPILOGUE_WARPGROUP") == "1" else NUM_THREADS
 
 
 def _grid_size(device_index: int, spec: jit.KernelSpec) -> int:
@@ -180,7 +190,7 @@ def _grid_size_for(device_index: int, spec: jit.KernelSpec, num_sms: Optional[st
         jit.check_driver(driver.cuFuncSetAttribute(
             kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
             "cuFuncSetAttribute(max dynamic shared memory)")
-    per_sm = jit.check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, NUM_THREADS, smem),
+    per_sm = jit.check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, threads_per_cta(spec), smem),
                               "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     if per_sm < 1:
@@ -283,7 +293,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
     maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop in TMA_MAINLOOPS else [_NO_MAP] * 4
-    kernel.launch(_grid_size(dev, spec), NUM_THREADS, dynamic_smem_bytes(spec),
+    kernel.launch(_grid_size(dev, spec), threads_per_cta(spec), dynamic_smem_bytes(spec),
                   torch.cuda.current_stream(x.device).cuda_stream, [params, *maps])
     return y
 

@@ -4,25 +4,44 @@ EpilogueSmem, params.cuh ExpertTable), so a build that cannot fit is refused or 
 it is compiled. Free of torch: the tuning rules (sm90_tuning) use it too."""
 from __future__ import annotations
 
-from ..shape import MoEShape
+import os
+
+from ..shape import MoEShape, require
 
 TILE_ROWS = 256                 # weight rows per GEMM task
 SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
 WGMMA_MAINLOOPS = ("wgmma", "tma")
 TMA_MAINLOOPS = ("tma",)
-# Builds whose epilogue tile lives in the stage of a task's last K chunk (expert_gemm.cuh
+# Builds whose epilogue tile lives in the stage of a task's last K chunk (epilogue_tile.cuh
 # MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
 EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)
+# Builds with an epilogue warpgroup (csrc/sm90/mega/epilogue_warpgroup.cuh): 384 threads, the
+# epilogues run beside the next task's K loop; their tile is static shared memory of its own.
+EPILOGUE_WARPGROUP_TILES = (64,)
+EPILOGUE_WARPGROUP_ENV = "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP"
+
+
+def epilogue_warpgroup_enabled() -> bool:
+    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP: 1 (default) or 0 (the 64-token TMA builds run their
+    epilogues on the MMA warpgroups, as the other builds do; for A/B measurements)."""
+    raw = os.environ.get(EPILOGUE_WARPGROUP_ENV, "1")
+    require(raw in ("0", "1"), f"{EPILOGUE_WARPGROUP_ENV}={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
+def has_epilogue_warpgroup(mainloop: str, tile_tokens: int) -> bool:
+    """Whether the build (mainloop, token tile) runs an epilogue warpgroup."""
+    return mainloop in TMA_MAINLOOPS and tile_tokens in EPILOGUE_WARPGROUP_TILES and epilogue_warpgroup_enabled()
 
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg") -> int:
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
     ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale)
-    and, unless it lives in a mainloop stage, its tile (expert_gemm.cuh EpilogueSmem), and 1 KB of
-    headroom (the task queue's and the phase clock's few words among it)."""
+    and, unless it lives in a mainloop stage, its tile (epilogue_tile.cuh EpilogueSmem), and 1 KB
+    of headroom (the task queue's, the hand-off header's and the phase clock's few words among it)."""
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks) * 4
     epilogue = (8 + 2) * tile_tokens * 4
-    if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS:
+    if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS or has_epilogue_warpgroup(mainloop, tile_tokens):
         epilogue += min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
     return table + epilogue + 1024
 

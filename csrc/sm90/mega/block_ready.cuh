@@ -14,10 +14,9 @@ namespace megamoe::mega {
 constexpr u32 kL1Tiles = 2 * kInter / kTileRows;  // L1 tasks per token block
 constexpr u32 kL2Tiles = kHidden / kTileRows;     // L2 tasks per token block
 
-// After the L1 task's stores and a __syncthreads: release them to the L2 tasks of `block`.
-MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) {
-  if (threadIdx.x == 0) atom_add_release_gpu(me.l1_block_done() + block, 1);
-}
+// One thread, after the L1 task's stores and a barrier over the threads that made them: release
+// them to the L2 tasks of `block`.
+MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) { atom_add_release_gpu(me.l1_block_done() + block, 1); }
 
 // Thread 0: whether every L1 tile of `block` is done (acquire; counts only grow within a call).
 MEGAMOE_DEVICE bool l1_block_ready(const Regions& me, u32 block) {
@@ -38,15 +37,17 @@ struct BlockReadyState {
 // the condition for streaming the next task's first stages in during this one (mainloop_smem.cuh).
 // A block found ready by the previous task's look at its next block is not loaded again: tasks
 // run one weight tile's token blocks in order, so the common case is one acquire per task.
-// Ends with a __syncthreads, after which every thread may read the block's rows.
+// Ends with an mma_barrier, after which every MMA thread may read the block's rows.
 MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block, u32 next_block, BlockReadyState& rs) {
   if (threadIdx.x == 0) {
     if (block != rs.known_ready && !l1_block_ready(me, block)) {
       const Deadline deadline{global_timer_ns(), p.timeout_ns};
       while (!l1_block_ready(me, block)) {
-        if (deadline.expired())
+        if (deadline.expired()) {
           report_and_trap(p.error_record, kErrorBlockTimeout, p.rank, kPhaseL1, static_cast<int>(block),
                           static_cast<int>(ld_acquire_gpu(me.l1_block_done() + block)), static_cast<int>(kL1Tiles));
+          break;  // never reached (see wait_stage)
+        }
       }
     }
     const bool next_ready = next_block != ~0u && (next_block == block || l1_block_ready(me, next_block));
@@ -56,7 +57,7 @@ MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block,
     fence_proxy_async_global();  // the block's staging_l2 rows were stored by other CTAs; TMA reads them
 #endif
   }
-  __syncthreads();
+  mma_barrier();
   const bool next_ready = rs.flags[rs.turn] != 0;
   rs.turn ^= 1;  // the other flag next time: this one may still be read until that task's barrier
   return next_ready;

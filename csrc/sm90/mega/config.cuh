@@ -60,15 +60,24 @@ constexpr u32 kSlotNumTokens = MEGAMOE_SLOT_num_tokens;
 constexpr u32 kSlotErrorFlag = MEGAMOE_SLOT_error_flag;
 constexpr u32 kSlotCallCount = MEGAMOE_SLOT_call_count;
 
-// Tiles: a CTA of 8 warps computes 256 weight rows x 32 tokens (weights on the MMA M side,
-// tokens on N: "swap AB", so a handful of tokens per expert still fills the MMA's M).
-constexpr u32 kNumWarps = 8;
-constexpr u32 kNumThreads = kNumWarps * 32;
+// Tiles: the CTA's 8 MMA warps (two warpgroups) compute 256 weight rows x 32 tokens (weights on
+// the MMA M side, tokens on N: "swap AB", so a handful of tokens per expert still fills the MMA's M).
 constexpr u32 kTileRows = 256;                  // weight rows per task
 #ifndef MEGAMOE_TILE_TOKENS
 #define MEGAMOE_TILE_TOKENS 32
 #endif
 constexpr u32 kTileTokens = MEGAMOE_TILE_TOKENS; // tokens per task (a token block)
+// The 64-token TMA builds add a third warpgroup that runs the GEMM tasks' epilogues (SwiGLU,
+// requantization, the stores, the L1 block's release) while the MMA warpgroups run the next
+// task's K loop (epilogue_warpgroup.cuh); every other build has the two MMA warpgroups only.
+#ifndef MEGAMOE_EPILOGUE_WARPGROUP
+#define MEGAMOE_EPILOGUE_WARPGROUP 0
+#endif
+constexpr bool kEpilogueWarpgroup = MEGAMOE_EPILOGUE_WARPGROUP != 0;
+constexpr u32 kNumMmaWarps = 8;                 // the GEMM phases' warps (warpgroups 0-1)
+constexpr u32 kNumMmaThreads = kNumMmaWarps * 32;
+constexpr u32 kNumWarps = kNumMmaWarps + (kEpilogueWarpgroup ? 4 : 0);  // the CTA's (every other phase's)
+constexpr u32 kNumThreads = kNumWarps * 32;
 constexpr u32 kTokenTiles = kTileTokens / 8;     // n8 tiles per task
 constexpr u32 kScaleBlock = 128;
 constexpr u32 kElemBytes = kFP8 ? 1 : 2;
@@ -83,6 +92,8 @@ static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) &&
 // FP8 promotes two 64-float partials per chunk next to 128 accumulators at 128 tokens: spills,
 // and slower than 64-token tiles once the promotion overlaps the wgmmas (measured).
 static_assert(!(kFP8 && kTileTokens == 128), "128-token tiles are BF16 only");
+static_assert(!kEpilogueWarpgroup || (MEGAMOE_SMEM_MAINLOOP == 3 && kTileTokens == 64),
+              "the epilogue warpgroup is built for the 64-token TMA tiles only");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 
@@ -100,6 +111,7 @@ constexpr u32 kAblateTma = 16;       // no TMA copies: stages complete at once a
 constexpr u32 kAblateTmaWarm = 32;   // only the CTA's first S chunks are copied; later chunks reuse those bytes
 constexpr u32 kAblateNarrow = 64;    // FP8 64-token tiles: every task runs the narrow path (its first 32 token columns)
 constexpr u32 kAblateHalfRows = 128; // FP8: each warpgroup's second m64 wgmma group is never issued (empty commit)
+constexpr u32 kAblateEpilogue = 256; // epilogue warpgroup: the hand-off runs, the rows are neither computed nor stored
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

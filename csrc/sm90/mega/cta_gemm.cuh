@@ -73,7 +73,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     cp_async_wait<S - 2>();
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
 #endif
-    __syncthreads();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
+    mma_barrier();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
     load_chunk_ahead<K>(sm, st, c + kAhead, cur, next);
     cp_async_commit();
     chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
@@ -86,7 +86,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   st.seq += kChunks;
   st.prefetched = next != nullptr;
   if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
-  __syncthreads();  // every warp is done with this task's stages and scale tables
+  mma_barrier();  // every warp is done with this task's stages and scale tables
 }
 
 }  // namespace megamoe::mega

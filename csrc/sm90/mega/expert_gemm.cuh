@@ -10,6 +10,8 @@
 #include "conv.cuh"
 #include "dispatch.cuh"
 #include "cta_gemm.cuh"
+#include "epilogue_tile.cuh"
+#include "epilogue_warpgroup.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
 #include "phase_clock.cuh"
@@ -88,56 +90,6 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
           me.staging_l2_scale(), kBufInter / kScaleBlock};
 }
 
-// The L2 epilogue goes through shared memory in passes of up to 64 tokens (a 128-token tile's
-// [128][256] BF16 rows would take 64 KB); L1's [tokens][128] FP8 / BF16 tile fits the same bytes.
-constexpr u32 kL2PassTokens = kTileTokens < 64 ? kTileTokens : 64;
-constexpr u32 kEpilogueTileBytes = kL2PassTokens * kTileRows * 2;  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
-static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epilogue tile does not fit");
-// The TMA mainloop leaves the stage of a task's last chunk untouched until the next task's first
-// CTA barrier (the copies streaming into the next task go to the other stages): the epilogue
-// tile lives there instead of in its own 16-32 KB, which buys the prefill builds a fifth stage.
-// (The cp.async builds keep their own: the stage pointer costs the mma.sync build and the
-// DeepSeek-V3-like FP8 64-token wgmma build a spill.)
-#define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 3)
-struct EpilogueSmem {
-  float amax[kNumWarps][kTileTokens];  // L1 FP8: each warp's amax per token (before the top-k weight)
-  float weight[kTileTokens];           // L1: the top-k weight of each token row
-  float inv_scale[kTileTokens];        // L1 FP8: 1 / the token's requantization scale
-#if !MEGAMOE_EPILOGUE_IN_STAGE
-  alignas(16) u8 tile[kEpilogueTileBytes];
-#endif
-};
-
-// The epilogue tile of the task whose K loop just ended (state `st`).
-template <class State>
-MEGAMOE_DEVICE u8* epilogue_tile(EpilogueSmem& smem, MainloopSmem* mainloop, const State& st) {
-#if MEGAMOE_EPILOGUE_IN_STAGE
-  static_assert(kEpilogueTileBytes <= sizeof(MainloopSmem::a[0]), "the epilogue tile does not fit a stage");
-  (void)smem;
-  return mainloop->a[(st.seq - 1) % kMainloopStages];
-#else
-  (void)mainloop, (void)st;
-  return smem.tile;
-#endif
-}
-
-// Byte offset of byte `byte` of row `row` in an epilogue tile of `row_bytes`-byte rows: each row's
-// 16-byte chunks are XOR-permuted by the row's low three bits. A warp's fragment stores touch
-// rows 2 apart in the same columns: unpermuted, those rows are a multiple of 128 bytes apart and
-// the stores of its 4 row groups went to the same banks (4-way conflicts); permuted, they land in
-// 4 different chunks, and a row still leaves the tile as whole 16-byte chunks.
-MEGAMOE_DEVICE u32 epilogue_offset(u32 row, u32 byte, u32 row_bytes) {
-  return row * row_bytes + (((byte / 16) ^ (row & 7)) * 16) + byte % 16;
-}
-
-// Before the barrier that ends the epilogue's use of the tile: with the TMA mainloop the next
-// write to that stage is a TMA copy (async proxy), ordered after this thread's generic accesses.
-MEGAMOE_DEVICE void release_epilogue_tile() {
-#if MEGAMOE_EPILOGUE_IN_STAGE
-  fence_proxy_async_shared();
-#endif
-}
-
 // One L1 task from its coordinate and operands on: the K loop and epilogue over the first kN
 // token columns (kTileTokens, or kNarrowTokens when the block holds no more rows).
 template <u32 kN>
@@ -152,7 +104,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   // Thread i < tokens: token i's top-k weight, loaded now so its latency hides behind the K loop.
-  const float my_weight = threadIdx.x < t.num_rows ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x) : 0.0f;
+  const float my_weight =
+      !kEpilogueWarpgroup && threadIdx.x < t.num_rows ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x) : 0.0f;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
     const TaskCoord next_at = task_coord<kTiles>(table, next_task);
@@ -162,6 +115,14 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kHidden, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL1Gemm);
+  if constexpr (kEpilogueWarpgroup) {  // the epilogue warpgroup does the rest (epilogue_warpgroup.cuh)
+    handoff_wait_empty();
+    handoff_l1_pairs<kN, kRegTok>(handoff_tile(smem), acc);
+    handoff_publish(smem, kHandoffL1, at.block, wt, t);
+    span_end(p, clock, kSpanL1Epilogue);
+    span_count(p, clock, kSpanL1Tasks);
+    return;
+  }
 
   // SwiGLU: the gate and up rows of a channel sit in the same thread (swap-AB: fragment rows g and
   // g + 8 of each m16 tile; register tokens: n8 column blocks 2 m and 2 m + 1). The activation
@@ -229,7 +190,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       const u32 tok = threadIdx.x;
       float m = 0.0f;
 #pragma unroll
-      for (u32 w = 0; w < (kRegTok ? 2 : kNumWarps); ++w) m = fmaxf(m, smem.amax[w][tok]);  // warpgroups or warps
+      for (u32 w = 0; w < (kRegTok ? 2 : kNumMmaWarps); ++w) m = fmaxf(m, smem.amax[w][tok]);  // warpgroups or warps
       const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
       smem.inv_scale[tok] = 1.0f / scale;
       if (tok < t.num_rows)
@@ -281,7 +242,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   __syncthreads();
   // Coalesced 16-byte stores of the valid token rows.
   constexpr u32 kRowBytes = 128 * kElemBytes, kChunksPerRow = kRowBytes / 16;
-  for (u32 c = threadIdx.x; c < kN * kChunksPerRow; c += kNumThreads) {
+  for (u32 c = threadIdx.x; c < kN * kChunksPerRow; c += kNumMmaThreads) {
     const u32 tok = c / kChunksPerRow, chunk = c % kChunksPerRow;
     if (tok >= t.num_rows) continue;
     u8* dst = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * kRowBytes + chunk * 16;
@@ -289,7 +250,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   release_epilogue_tile();
   __syncthreads();
-  publish_l1_tile(me, at.block);
+  if (threadIdx.x == 0) publish_l1_tile(me, at.block);
   span_end(p, clock, kSpanL1Epilogue);
   span_count(p, clock, kSpanL1Tasks);
 }
@@ -331,8 +292,8 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   constexpr bool kMetaEarly = kPassTokens == kN && kTileTokens <= 32;
   const auto load_meta = [&](u32 pass_tok0, u32 pass_rows) {
     int4 meta = make_int4(0, 0, 0, 0);
-    if (warp + kNumWarps * lane < pass_rows)
-      meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + pass_tok0 + warp + kNumWarps * lane);
+    if (warp + kNumMmaWarps * lane < pass_rows)
+      meta = __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + pass_tok0 + warp + kNumMmaWarps * lane);
     return meta;
   };
   int4 early_meta = make_int4(0, 0, 0, 0);
@@ -358,10 +319,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   static_assert(!kRegTok || kN == kL2PassTokens, "the register-token map takes one pass");
   u8* tile = epilogue_tile(smem, mainloop, st);  // [pass tokens][256 channels] bf16, chunks permuted (epilogue_offset)
   constexpr u32 kPassTiles = kPassTokens / 8;
-#pragma unroll
-  for (u32 pass = 0; pass < kN / kPassTokens; ++pass) {
-    const u32 pass_tok0 = pass * kPassTokens;
-    if (pass_tok0 >= t.num_rows) break;  // uniform over the CTA
+  const auto write_pass = [&](u32 pass) {
     if constexpr (kRegTok) {
       // out[mt][n8 column block][token row lo / hi]: channels register_tokens_row(mt, 4 nt) and + 1
 #pragma unroll
@@ -385,23 +343,36 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
                 static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
           }
     }
-    __syncthreads();
-    // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank.
-    const u32 pass_rows = t.num_rows - pass_tok0 < kPassTokens ? t.num_rows - pass_tok0 : kPassTokens;
-    static_assert(kPassTokens <= 32 * kNumWarps, "one row per lane and warp");
-    const int4 my_meta = kMetaEarly ? early_meta : load_meta(pass_tok0, pass_rows);
+  };
+  if constexpr (kEpilogueWarpgroup) {  // one pass (64 tokens); the epilogue warpgroup sends the rows
+    static_assert(kPassTokens == kN, "the hand-off tile holds the whole task");
+    handoff_wait_empty();
+    write_pass(0);
+    handoff_publish(smem, kHandoffL2, at.block, ht, t);
+  } else {
+#pragma unroll
+    for (u32 pass = 0; pass < kN / kPassTokens; ++pass) {
+      const u32 pass_tok0 = pass * kPassTokens;
+      if (pass_tok0 >= t.num_rows) break;  // uniform over the CTA
+      write_pass(pass);
+      __syncthreads();
+      // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank.
+      const u32 pass_rows = t.num_rows - pass_tok0 < kPassTokens ? t.num_rows - pass_tok0 : kPassTokens;
+      static_assert(kPassTokens <= 32 * kNumMmaWarps, "one row per lane and warp");
+      const int4 my_meta = kMetaEarly ? early_meta : load_meta(pass_tok0, pass_rows);
 #pragma unroll 1
-    for (u32 i = 0, tok = warp; tok < pass_rows; ++i, tok += kNumWarps) {
-      int4 meta;
-      meta.x = __shfl_sync(0xffffffffu, my_meta.x, i);
-      meta.y = __shfl_sync(0xffffffffu, my_meta.y, i);
-      meta.z = __shfl_sync(0xffffffffu, my_meta.z, i);
-      Regions src{p.peers[meta.x]};
-      u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
-      reinterpret_cast<uint4*>(dst)[lane] = *reinterpret_cast<const uint4*>(tile + epilogue_offset(tok, lane * 16, kTileRows * 2));
+      for (u32 i = 0, tok = warp; tok < pass_rows; ++i, tok += kNumMmaWarps) {
+        int4 meta;
+        meta.x = __shfl_sync(0xffffffffu, my_meta.x, i);
+        meta.y = __shfl_sync(0xffffffffu, my_meta.y, i);
+        meta.z = __shfl_sync(0xffffffffu, my_meta.z, i);
+        Regions src{p.peers[meta.x]};
+        u16* dst = src.combine() + (static_cast<u64>(meta.z) * kMaxTokens + meta.y) * kBufHidden + ht * kTileRows;
+        reinterpret_cast<uint4*>(dst)[lane] = *reinterpret_cast<const uint4*>(tile + epilogue_offset(tok, lane * 16, kTileRows * 2));
+      }
+      release_epilogue_tile();
+      __syncthreads();
     }
-    release_epilogue_tile();
-    __syncthreads();
   }
   span_end(p, clock, kSpanL2Epilogue);
   span_count(p, clock, kSpanL2Tasks);

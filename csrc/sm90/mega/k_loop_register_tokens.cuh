@@ -113,7 +113,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
   load_token_fragment(a, sm, stage);
   issue_register_tokens_group(part0, sm, stage, 0, a);
-  __syncthreads();  // also: the task's scale tables are stored
+  mma_barrier();  // also: the task's scale tables are stored
   load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
   issue_register_tokens_group(part1, sm, stage, 1, a);
   load_register_token_scales(scales, sm, 0);
@@ -129,7 +129,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
     load_token_fragment(a, sm, stage);
     issue_register_tokens_group(part0, sm, stage, 0, a);
     trace_point(trace, c, 2);
-    __syncthreads();  // every warpgroup is done with chunk c - 1's stage
+    mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     trace_point(trace, c, 3);
     load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
     trace_point(trace, c, 4);

@@ -49,7 +49,7 @@ struct MainloopSmem {
   alignas(kStageAlign) u8 a[kMainloopStages][kTileRows * kStagedRow];
   alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
   float tok_scale[kMaxKBlocks][kTileTokens];  // FP8: the task's token scales per 128-K block (tok_scale_col)
-  float w_scale[kNumWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
+  float w_scale[kNumMmaWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
 #if MEGAMOE_SMEM_MAINLOOP >= 3
   u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
 #endif
@@ -123,7 +123,7 @@ MEGAMOE_DEVICE float2 lds_f32x2(const float* p) {  // p 8-byte aligned
 // (load_task_scales); held in registers from one task to the next (MainloopState::next_scales).
 template <u32 KBlocks>
 struct TaskScaleRegs {
-  static constexpr u32 kTok = kFP8 ? (kTileTokens * KBlocks + kNumThreads - 1) / kNumThreads : 1;
+  static constexpr u32 kTok = kFP8 ? (kTileTokens * KBlocks + kNumMmaThreads - 1) / kNumMmaThreads : 1;
   static constexpr u32 kW = kFP8 ? (KBlocks + 31) / 32 : 1;
   float tok[kTok];
   float w[2][kW];
@@ -155,9 +155,12 @@ MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, in
   if (mbarrier_try_wait(bar, use & 1)) return;
   const Deadline deadline{global_timer_ns(), p.timeout_ns};
   while (!mbarrier_try_wait(bar, use & 1)) {
-    if (deadline.expired())
+    if (deadline.expired()) {
       report_and_trap(p.error_record, kErrorStageTimeout, p.rank, phase, static_cast<int>(stage),
                       static_cast<int>(use), 0);
+      return;  // never reached; with the loop's back edge after the trap instead, ptxas allocated the
+               // epilogue-warpgroup builds' MMA region at the launch's 168 registers (the K loop spilled)
+    }
   }
 }
 #endif
@@ -200,13 +203,13 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
   constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
   const u32 k0 = chunk * kChunkBytes;
 #pragma unroll
-  for (u32 j = 0; j < kTileRows * 8 / kNumThreads; ++j) {
-    const u32 i = threadIdx.x + j * kNumThreads, row = i / 8, seg = i % 8;
+  for (u32 j = 0; j < kTileRows * 8 / kNumMmaThreads; ++j) {
+    const u32 i = threadIdx.x + j * kNumMmaThreads, row = i / 8, seg = i % 8;
     cp_async_16(sm.a[stage] + staged_offset(row, seg), op.a + row * kAPitch + k0 + seg * 16);
   }
 #pragma unroll
-  for (u32 j = 0; j < kTileTokens * 8 / kNumThreads; ++j) {
-    const u32 i = threadIdx.x + j * kNumThreads, tok = i / 8, seg = i % 8;
+  for (u32 j = 0; j < kTileTokens * 8 / kNumMmaThreads; ++j) {
+    const u32 i = threadIdx.x + j * kNumMmaThreads, tok = i / 8, seg = i % 8;
     const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
     cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
   }
@@ -329,7 +332,7 @@ MEGAMOE_DEVICE void load_task_scale_regs(TaskScaleRegs<KBlocks>& r, const TaskOp
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
 #pragma unroll
   for (u32 j = 0; j < r.kTok; ++j) {
-    const u32 i = threadIdx.x + j * kNumThreads;
+    const u32 i = threadIdx.x + j * kNumMmaThreads;
     const u32 tok = i / KBlocks, kb = i % KBlocks;  // consecutive lanes: one row's blocks (coalesced)
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
     if (i < kTileTokens * KBlocks) r.tok[j] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
@@ -349,7 +352,7 @@ template <u32 KBlocks>
 MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<KBlocks>& r) {
 #pragma unroll
   for (u32 j = 0; j < r.kTok; ++j) {
-    const u32 i = threadIdx.x + j * kNumThreads;
+    const u32 i = threadIdx.x + j * kNumMmaThreads;
     const u32 tok = i / KBlocks, kb = i % KBlocks;
     if (i < kTileTokens * KBlocks) sm.tok_scale[kb][tok_scale_col(kb, tok)] = r.tok[j];
   }
@@ -369,7 +372,7 @@ MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<
 template <u32 KBlocks>
 MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
-  for (u32 i = threadIdx.x; i < kTileTokens * KBlocks; i += kNumThreads) {
+  for (u32 i = threadIdx.x; i < kTileTokens * KBlocks; i += kNumMmaThreads) {
     const u32 tok = i / KBlocks, kb = i % KBlocks;
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
     sm.tok_scale[kb][tok_scale_col(kb, tok)] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
@@ -503,7 +506,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
   u32 stage = st.seq % S;
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
   issue_group<kN>(part0, sm, stage, 0);
-  __syncthreads();  // also: the task's scale tables are stored
+  mma_barrier();  // also: the task's scale tables are stored
   load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
   issue_group<kN>(part1, sm, stage, 1);
   load_promote_scales(scales, sm, 0);
@@ -520,7 +523,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     trace_point(trace, c, 3);
     promote_tile(acc.v[1], part1, scales);
     trace_point(trace, c, 4);
-    __syncthreads();  // every warpgroup is done with chunk c - 1's stage
+    mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     trace_point(trace, c, 5);
     load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
     trace_point(trace, c, 6);

@@ -56,7 +56,7 @@ constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
 #define MEGAMOE_TRACE_TASK 2
 #endif
 constexpr u32 kTraceTask = MEGAMOE_TRACE_TASK, kTraceFirstChunk = 8, kTraceChunks = 5, kTracePoints = 9;
-constexpr int kChunkTraceColumns = MEGAMOE_CHUNK_TRACE ? kNumWarps * kTraceChunks * kTracePoints : 0;
+constexpr int kChunkTraceColumns = MEGAMOE_CHUNK_TRACE ? kNumMmaWarps * kTraceChunks * kTracePoints : 0;
 constexpr int kPhaseClockStride = kPhaseClockColumns + kChunkTraceColumns;  // int64 columns per CTA row
 
 // This warp's trace row for a task: the [chunk][point] clock slots of lane 0 when the build

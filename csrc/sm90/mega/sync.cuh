@@ -6,6 +6,21 @@
 
 namespace megamoe::mega {
 
+// Named barriers of a CTA (0 is __syncthreads'): with an epilogue warpgroup the GEMM phases'
+// barriers leave it out, and the tile hand-off between the two sides has a full and an empty one.
+constexpr u32 kBarrierMma = 1;         // the MMA warpgroups' CTA barrier (kNumMmaThreads)
+constexpr u32 kBarrierTileFull = 2;    // the hand-off tile holds a task (kNumThreads)
+constexpr u32 kBarrierTileEmpty = 3;   // the epilogue warpgroup is done with it (kNumThreads)
+constexpr u32 kBarrierEpilogue = 4;    // the epilogue warpgroup alone (128)
+
+MEGAMOE_DEVICE void bar_sync(u32 id, u32 threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
+
+// The GEMM phases' CTA barrier: every thread, or the MMA warpgroups beside an epilogue warpgroup.
+MEGAMOE_DEVICE void mma_barrier() {
+  if constexpr (kEpilogueWarpgroup) bar_sync(kBarrierMma, kNumMmaThreads);
+  else __syncthreads();
+}
+
 MEGAMOE_DEVICE u64 global_timer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -57,7 +72,7 @@ enum ErrorKind : int {
   kErrorGridTimeout = 1, kErrorNvlinkTimeout = 2, kErrorStagingFull = 3, kErrorBlockTimeout = 4, kErrorStageTimeout = 5
 };
 
-MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, int a, int b, int c) {
+MEGAMOE_DEVICE void report_error(int* record, int kind, int rank, int phase, int a, int b, int c) {
   if (record != nullptr && atomicCAS(record, 0, kind) == 0) {
     volatile int* r = record;
     r[1] = rank;
@@ -68,6 +83,10 @@ MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, 
     r[6] = c;
     __threadfence_system();
   }
+}
+
+MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, int a, int b, int c) {
+  report_error(record, kind, rank, phase, a, b, c);
   __trap();
 }
 

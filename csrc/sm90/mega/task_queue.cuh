@@ -8,25 +8,26 @@
 // behind a whole task, and the next task is known early enough for the mainloop to stream into it.
 #pragma once
 #include "params.cuh"
+#include "sync.cuh"
 
 namespace megamoe::mega {
 
 // Runs run_task(task, next_task) for every task this CTA gets (next_task >= num_tasks: none).
-// `slot`: one shared word. run_task must contain a __syncthreads (every task's K loop does),
+// `slot`: one shared word. run_task must contain an mma_barrier (every task's K loop does),
 // which orders every thread's read of `slot` before thread 0 rewrites it.
 template <class RunTask>
 MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTask&& run_task) {
   // Tasks [0, gridDim.x) are the CTAs' first ones; the counter hands out the rest (thread 0 asks).
   const auto ask = [&] { return gridDim.x + static_cast<u32>(atomicAdd(counter, 1)); };
   if (threadIdx.x == 0) *slot = ask();
-  __syncthreads();
+  mma_barrier();
   u32 task = blockIdx.x, next = *slot;
   while (task < num_tasks) {
     u32 after = num_tasks;  // the task after next, only read at the end of this one
     if (threadIdx.x == 0 && next < num_tasks) after = ask();
     run_task(task, next);
     if (threadIdx.x == 0) *slot = after;
-    __syncthreads();
+    mma_barrier();
     task = next;
     next = *slot;
   }

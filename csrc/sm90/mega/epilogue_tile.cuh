@@ -1,0 +1,82 @@
+// The GEMM epilogues' shared-memory tile: where it lives, how its rows are laid out, and what the
+// other shared values of an epilogue are.
+#pragma once
+#include "mainloop_smem.cuh"
+
+namespace megamoe::mega {
+
+// The L2 epilogue goes through shared memory in passes of up to 64 tokens (a 128-token tile's
+// [128][256] BF16 rows would take 64 KB); L1's [tokens][128] FP8 / BF16 tile fits the same bytes.
+constexpr u32 kL2PassTokens = kTileTokens < 64 ? kTileTokens : 64;
+constexpr u32 kEpilogueTileBytes = kL2PassTokens * kTileRows * 2;  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
+static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epilogue tile does not fit");
+// The TMA mainloop leaves the stage of a task's last chunk untouched until the next task's first
+// CTA barrier (the copies streaming into the next task go to the other stages): the epilogue
+// tile lives there instead of in its own 16-32 KB, which buys the prefill builds a fifth stage.
+// (The cp.async builds keep their own: the stage pointer costs the mma.sync build and the
+// DeepSeek-V3-like FP8 64-token wgmma build a spill.)
+// (Not with an epilogue warpgroup: its tile is read while the next task's K loop fills the stages.)
+#define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 3 && !MEGAMOE_EPILOGUE_WARPGROUP)
+
+// What the MMA warpgroups tell the epilogue warpgroup about the tile they hand off
+// (epilogue_warpgroup.cuh): which task it holds, or that the GEMM phases are over.
+enum HandoffKind : u32 { kHandoffL1 = 0, kHandoffL2 = 1, kHandoffDone = 2 };
+struct HandoffHeader {
+  u32 kind;       // HandoffKind
+  u32 block;      // token block (L1: the block whose L2 tasks wait for it)
+  u32 tile;       // weight tile of the phase (L1: 128 SwiGLU channels; L2: 256 hidden channels)
+  u32 first_row;  // the block's first staging row
+  u32 num_rows;   // its rows (<= kTileTokens)
+};
+
+struct EpilogueSmem {
+  float amax[kNumMmaWarps][kTileTokens];  // L1 FP8: each warp's amax per token (before the top-k weight)
+  float weight[kTileTokens];           // L1: the top-k weight of each token row
+  float inv_scale[kTileTokens];        // L1 FP8: 1 / the token's requantization scale
+#if !MEGAMOE_EPILOGUE_IN_STAGE
+  alignas(16) u8 tile[kEpilogueTileBytes];
+#endif
+  HandoffHeader handoff;  // epilogue-warpgroup builds only
+};
+
+// The epilogue warpgroup's hand-off tile (epilogue_warpgroup.cuh; other builds never hand off).
+MEGAMOE_DEVICE u8* handoff_tile(EpilogueSmem& smem) {
+#if MEGAMOE_EPILOGUE_WARPGROUP
+  return smem.tile;
+#else
+  (void)smem;
+  return nullptr;
+#endif
+}
+
+// The epilogue tile of the task whose K loop just ended (state `st`).
+template <class State>
+MEGAMOE_DEVICE u8* epilogue_tile(EpilogueSmem& smem, MainloopSmem* mainloop, const State& st) {
+#if MEGAMOE_EPILOGUE_IN_STAGE
+  static_assert(kEpilogueTileBytes <= sizeof(MainloopSmem::a[0]), "the epilogue tile does not fit a stage");
+  (void)smem;
+  return mainloop->a[(st.seq - 1) % kMainloopStages];
+#else
+  (void)mainloop, (void)st;
+  return smem.tile;
+#endif
+}
+
+// Byte offset of byte `byte` of row `row` in an epilogue tile of `row_bytes`-byte rows: each row's
+// 16-byte chunks are XOR-permuted by the row's low three bits. A warp's fragment stores touch
+// rows 2 apart in the same columns: unpermuted, those rows are a multiple of 128 bytes apart and
+// the stores of its 4 row groups went to the same banks (4-way conflicts); permuted, they land in
+// 4 different chunks, and a row still leaves the tile as whole 16-byte chunks.
+MEGAMOE_DEVICE u32 epilogue_offset(u32 row, u32 byte, u32 row_bytes) {
+  return row * row_bytes + (((byte / 16) ^ (row & 7)) * 16) + byte % 16;
+}
+
+// Before the barrier that ends the epilogue's use of the tile: with the TMA mainloop the next
+// write to that stage is a TMA copy (async proxy), ordered after this thread's generic accesses.
+MEGAMOE_DEVICE void release_epilogue_tile() {
+#if MEGAMOE_EPILOGUE_IN_STAGE
+  fence_proxy_async_shared();
+#endif
+}
+
+}  // namespace megamoe::mega

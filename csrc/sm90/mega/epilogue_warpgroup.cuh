@@ -1,0 +1,179 @@
+// The epilogue warpgroup of the 64-token TMA builds (kEpilogueWarpgroup): a third warpgroup runs
+// the GEMM tasks' epilogues while the two MMA warpgroups run the next task's K loop. Without it a
+// CTA's tensor cores idled through every epilogue: 11-22 % of the GEMM phases at prefill
+// (docs/kernel_notes.md v17's task spans: SwiGLU's MUFU work, two CTA barriers, the stores and the
+// L1 block's release, whose fence stalled warp 0, the TMA issuer).
+//
+// Hand-off per task through one 32 KB shared-memory tile ([64 tokens][512 bytes], rows permuted
+// by epilogue_offset) and two named barriers that both sides wait at (bar.sync):
+//   MMA warpgroups: tile_empty, store the accumulators as BF16 (L1: each channel's (gate, up)
+//     pair, both rounded to BF16 as SwiGLU rounds them; L2: the 256 output channels) and the
+//     task's header, tile_full, then the next task's K loop;
+//   epilogue warpgroup: tile_full, one warp per token row (16 rows each): L1 SwiGLU x top-k
+//     weight, the row's FP8 scale (warp amax) or BF16, one row store to staging_l2, then the
+//     block's release; L2 the row to the source rank's combine buffer; then tile_empty.
+// The epilogue warpgroup reaches each barrier long before the MMA warpgroups (its work is a few
+// us, a K loop tens), so their waits are short; the release's fence stalls it, not the K loop.
+// (bar.arrive on the producing side would spare even that, but compute-sanitizer's racecheck
+// does not take an arrive as ordering the tile and reported every hand-off as a race.)
+// The epilogue warpgroup meets tile_empty once before its first tile_full, and a kHandoffDone
+// header after the last L2 task ends its loop with every barrier balanced. The values and their
+// rounding are those of the two-warpgroup epilogue (expert_gemm.cuh): both builds' outputs are
+// equal bit for bit (tests/gpu/test_sm90_mega_moe.py).
+// Registers: the launch gives 384 threads 168 each; the MMA warpgroups take kMmaRegs, the
+// epilogue warpgroup keeps kEpilogueRegs (setmaxnreg), back to 168 after the GEMM phases.
+#pragma once
+#include "block_ready.cuh"
+#include "conv.cuh"
+#include "epilogue_tile.cuh"
+#include "k_loop_register_tokens.cuh"
+#include "mma_tile.cuh"
+#include "params.cuh"
+#include "sync.cuh"
+
+namespace megamoe::mega {
+
+constexpr u32 kHandoffRowBytes = kTileRows * 2;  // [token][256 bf16]: L2 channels, or L1's 128 (gate, up) pairs
+constexpr u32 kLaunchRegs = (65536 / kNumThreads) / 8 * 8;
+constexpr u32 kMmaRegs = 232, kEpilogueRegs = 40;
+static_assert(!kEpilogueWarpgroup || (kEpilogueTileBytes == kTileTokens * kHandoffRowBytes && kTileTokens == 64),
+              "the hand-off tile holds a whole 64-token task");
+static_assert(!kEpilogueWarpgroup || kNumMmaThreads * kMmaRegs + 128 * kEpilogueRegs <= kLaunchRegs * kNumThreads,
+              "setmaxnreg split exceeds the CTA's register pool: a warpgroup would wait forever");
+constexpr u32 kEpilogueWarps = 4;
+
+// ---------------------------------------------------------------- MMA warpgroups' side
+// Before the tile is written: the epilogue warpgroup is done with the previous one.
+MEGAMOE_DEVICE void handoff_wait_empty() { bar_sync(kBarrierTileEmpty, kNumThreads); }
+
+// After the tile is written: the header (thread 0), then the tile is the epilogue warpgroup's.
+MEGAMOE_DEVICE void handoff_publish(EpilogueSmem& smem, HandoffKind kind, u32 block, u32 tile, const TaskRows& t) {
+  if (threadIdx.x == 0) smem.handoff = HandoffHeader{static_cast<u32>(kind), block, tile, t.first_row, t.num_rows};
+  bar_sync(kBarrierTileFull, kNumThreads);
+}
+
+// L1: acc's (gate, up) pairs as BF16 into the tile: pair of channel c of token row r at byte
+// 4 c of row r (gate in the low half). kN: the token columns the K loop computed; kRegTok: acc in
+// the register-token map (k_loop_register_tokens.cuh), else the swap-AB one (mma_tile.cuh).
+template <u32 kN, bool kRegTok>
+MEGAMOE_DEVICE void handoff_l1_pairs(u8* tile, const WarpAcc& acc) {
+  if constexpr (kRegTok) {
+    // Elements 8 m + k (gate rows) and 8 m + 4 + k (their up rows), k = 2 h + {0, 1}: token row
+    // register_tokens_token(2 h), adjacent channels: one 8-byte store per (group, m, h).
+#pragma unroll
+    for (u32 mt = 0; mt < 2; ++mt) {
+      const float(&v)[32] = *reinterpret_cast<const float(*)[32]>(&acc.v[mt][0][0]);
+#pragma unroll
+      for (u32 m = 0; m < 4; ++m)
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+          const u32 row = register_tokens_row(mt, 8 * m + 2 * h);  // a gate row: channel = row / 16 x 8 + row % 8
+          const u32 channel = row / 16 * 8 + row % 8;
+          const uint2 pairs = make_uint2(pack_bf16x2(v[8 * m + 2 * h], v[8 * m + 4 + 2 * h]),
+                                         pack_bf16x2(v[8 * m + 2 * h + 1], v[8 * m + 4 + 2 * h + 1]));
+          *reinterpret_cast<uint2*>(tile + epilogue_offset(register_tokens_token(2 * h), channel * 4, kHandoffRowBytes)) = pairs;
+        }
+    }
+  } else {
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+#pragma unroll
+    for (u32 nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (u32 j = 0; j < 2; ++j)
+#pragma unroll
+        for (u32 mt = 0; mt < 2; ++mt) {
+          const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base + g (gate) and base + g + 8 (up)
+          *reinterpret_cast<u32*>(tile + epilogue_offset(nt * 8 + 2 * t4 + j, channel * 4, kHandoffRowBytes)) =
+              pack_bf16x2(acc.v[mt][nt][j], acc.v[mt][nt][2 + j]);
+        }
+  }
+}
+
+// After the L2 phase's last task: tells the epilogue warpgroup to leave its loop.
+MEGAMOE_DEVICE void handoff_done(EpilogueSmem& smem) {
+  handoff_wait_empty();
+  handoff_publish(smem, kHandoffDone, 0, 0, TaskRows{});
+}
+
+// ---------------------------------------------------------------- the epilogue warpgroup
+MEGAMOE_DEVICE float warp_max(float v) {
+#pragma unroll
+  for (u32 s = 16; s > 0; s /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, s));
+  return v;
+}
+
+// L1: rows warp, warp + 4, .. of the tile: SwiGLU (optional clamp) of a lane's 4 channels, the
+// top-k weight, FP8 with the row's scale over its 128 channels (or BF16) into staging_l2.
+MEGAMOE_DEVICE void epilogue_l1_rows(const u8* tile, const HandoffHeader& h, const Params& p, const Regions& me) {
+  const u32 warp = threadIdx.x / 32 - kNumMmaWarps, lane = threadIdx.x % 32;
+  const u32 my_tok = warp + kEpilogueWarps * lane;  // lane i: the top-k weight of the warp's i-th row
+  const float my_weight = my_tok < h.num_rows ? ld_cg_f32(me.staging_weight() + h.first_row + my_tok) : 0.0f;
+#pragma unroll 1
+  for (u32 i = 0, tok = warp; tok < h.num_rows; ++i, tok += kEpilogueWarps) {
+    const float w = __shfl_sync(0xffffffffu, my_weight, i);
+    const uint4 raw = *reinterpret_cast<const uint4*>(tile + epilogue_offset(tok, lane * 16, kHandoffRowBytes));
+    const u32 pairs[4] = {raw.x, raw.y, raw.z, raw.w};
+    float s[4], amax = 0.0f;
+#pragma unroll
+    for (u32 j = 0; j < 4; ++j) {
+      float gate = bf16_to_f32(pairs[j] & 0xffff), up = bf16_to_f32(pairs[j] >> 16);
+      if (p.has_clamp) {
+        gate = fminf(gate, p.clamp);
+        up = fminf(fmaxf(up, -p.clamp), p.clamp);
+      }
+      s[j] = silu(gate) * up;
+      amax = fmaxf(amax, fabsf(s[j]));
+    }
+    const u64 row = h.first_row + tok;
+    if constexpr (kFP8) {
+      // |s x w| rounds monotonically: the row's amax of s x w is its amax of s times |w|, exactly.
+      const float scale = fmaxf(warp_max(amax) * fabsf(w), kAmaxFloor) * (1.0f / kFP8Max);
+      const float inv_scale = 1.0f / scale;
+      const u32 out = static_cast<u32>(f32x2_to_e4m3x2(s[0] * w * inv_scale, s[1] * w * inv_scale)) |
+                      (static_cast<u32>(f32x2_to_e4m3x2(s[2] * w * inv_scale, s[3] * w * inv_scale)) << 16);
+      reinterpret_cast<u32*>(me.staging_l2() + row * kRowBytesL2 + h.tile * 128)[lane] = out;
+      if (lane == 0) me.staging_l2_scale()[row * (kBufInter / kScaleBlock) + h.tile] = scale;
+    } else {
+      reinterpret_cast<uint2*>(me.staging_l2() + row * kRowBytesL2 + h.tile * 256)[lane] =
+          make_uint2(pack_bf16x2(s[0] * w, s[1] * w), pack_bf16x2(s[2] * w, s[3] * w));
+    }
+  }
+}
+
+// L2: rows warp, warp + 4, .. of the tile (512 bytes each) to combine[slot][token] of their source rank.
+MEGAMOE_DEVICE void epilogue_l2_rows(const u8* tile, const HandoffHeader& h, const Params& p, const Regions& me) {
+  const u32 warp = threadIdx.x / 32 - kNumMmaWarps, lane = threadIdx.x % 32;
+  const u32 my_tok = warp + kEpilogueWarps * lane;  // lane i: the (rank, token, slot) of the warp's i-th row
+  const int4 my_meta = my_tok < h.num_rows ? __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + h.first_row + my_tok)
+                                           : make_int4(0, 0, 0, 0);
+#pragma unroll 1
+  for (u32 i = 0, tok = warp; tok < h.num_rows; ++i, tok += kEpilogueWarps) {
+    const int rank = __shfl_sync(0xffffffffu, my_meta.x, i), token = __shfl_sync(0xffffffffu, my_meta.y, i);
+    const int slot = __shfl_sync(0xffffffffu, my_meta.z, i);
+    const Regions src{p.peers[rank]};
+    u16* dst = src.combine() + (static_cast<u64>(slot) * kMaxTokens + token) * kBufHidden + h.tile * kTileRows;
+    reinterpret_cast<uint4*>(dst)[lane] = *reinterpret_cast<const uint4*>(tile + epilogue_offset(tok, lane * 16, kHandoffRowBytes));
+  }
+}
+
+// The epilogue warpgroup's whole part of the GEMM phases: one handed-off tile after another
+// until the kHandoffDone header.
+MEGAMOE_DEVICE void run_epilogue_warpgroup(EpilogueSmem& smem, const Params& p) {
+  const Regions me{p.peers[p.rank]};
+  bar_sync(kBarrierTileEmpty, kNumThreads);  // the tile is free for the first task
+  while (true) {
+    bar_sync(kBarrierTileFull, kNumThreads);
+    const HandoffHeader h = smem.handoff;
+    if (h.kind == kHandoffDone) break;
+    if (h.kind == kHandoffL1) {
+      if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l1_rows(handoff_tile(smem), h, p, me);
+      bar_sync(kBarrierEpilogue, kEpilogueWarps * 32);  // every row of the tile stored
+      if (threadIdx.x == kNumMmaThreads) publish_l1_tile(me, h.block);
+    } else {
+      if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l2_rows(handoff_tile(smem), h, p, me);
+    }
+    bar_sync(kBarrierTileEmpty, kNumThreads);
+  }
+}
+
+}  // namespace megamoe::mega
