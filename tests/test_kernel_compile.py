@@ -233,7 +233,7 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
     # Qwen3-like FP8 build keeps a few long-lived values (the call count, two parameters) in local
     # memory around the staging and the register split, not in a K loop (~1000 spilled bytes when
     # the K loop spills).
-    allowed = 32 if "MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines) else 0
+    allowed = 48 if "MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines) else 0
     assert spills <= allowed, compiled.log
     assert "serialized" not in compiled.log, compiled.log  # e.g. a function call next to wgmma (C7510)
     assert "C75" not in compiled.log, compiled.log  # any other wgmma performance loss (C7514, C7517, ...)
@@ -257,7 +257,7 @@ def test_fp8_refuses_128_token_tiles(monkeypatch):
 
 
 @pytest.mark.parametrize("var,good,define,value,bad", [
-    ("VLLM_MEGAMOE_SM90_ABLATE", "promotion+mma", "MEGAMOE_ABLATE", "3", "epilogue"),
+    ("VLLM_MEGAMOE_SM90_ABLATE", "promotion+mma", "MEGAMOE_ABLATE", "3", "epilogues"),
     ("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1", "MEGAMOE_CHUNK_TRACE", "1", "yes")])
 def test_profiling_builds_are_opt_in(monkeypatch, var, good, define, value, bad):
     """VLLM_MEGAMOE_SM90_ABLATE / _CHUNK_TRACE add their define (and a separate cache entry); bad
@@ -334,7 +334,7 @@ def test_error_record_phases_match_the_kernel():
     kinds = dict(re.findall(r"(kError\w+) = (\d+)", re.search(r"enum ErrorKind[^}]*\}", sync).group(0)))
     assert {int(v) for v in kinds.values()} == {error_record.KIND_GRID_TIMEOUT, error_record.KIND_NVLINK_TIMEOUT,
                                                  error_record.KIND_STAGING_FULL, error_record.KIND_BLOCK_TIMEOUT,
-                                                 error_record.KIND_STAGE_TIMEOUT}
+                                                 error_record.KIND_STAGE_TIMEOUT, error_record.KIND_HANDOFF_TIMEOUT}
     assert all(error_record.describe([int(v), 0, 3, 5, 7, 2, 6, 0]) for v in kinds.values())
     assert "token block 7 has 2 of its 6 L1 tiles" in error_record.describe([4, 1, 3, 5, 7, 2, 6, 0])
     msg = error_record.describe([2, 0, 1, 0, 1, 1, 2, 0])
@@ -343,6 +343,8 @@ def test_error_record_phases_match_the_kernel():
     assert error_record.describe([0] * 8) is None
     kind = error_record.KIND_STAGE_TIMEOUT
     assert "TMA stage 3 (use 9) never landed" in error_record.describe([kind, 1, 3, 5, 3, 9, 0, 0])
+    msg = error_record.describe([error_record.KIND_HANDOFF_TIMEOUT, 1, 3, 5, 1, 9, 0, 0])
+    assert "epilogue warpgroup's release of the tile (hand-off 9)" in msg
 
 
 def test_error_watchdog_logs_a_report(caplog, monkeypatch):

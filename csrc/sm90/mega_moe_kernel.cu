@@ -48,11 +48,13 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   __shared__ u32 l2_ready_flags[2];
   BlockReadyState l2_ready{l2_ready_flags, 0, ~0u};
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
+  l2_state.handoffs = l1_state.handoffs;                           // and so do the epilogue hand-offs
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
     l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock);
   });
   loop_end(p, clock, kSpanL2Loop);
+  if constexpr (kEpilogueWarpgroup) handoff_done(epilogue, l2_state.handoffs, p);
 }
 
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
@@ -66,6 +68,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 #if MEGAMOE_SMEM_MAINLOOP
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
   init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the first grid sync)
+  if (threadIdx.x == 0) init_handoff(epilogue);  // the epilogue warpgroup's (likewise)
 #else
   MainloopSmem* mainloop = nullptr;
 #endif
@@ -111,7 +114,6 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   } else {
     setmaxnreg_inc<kMmaRegs>();
     gemm_phases(table, epilogue, clock, p, w13_map, w2_map, l1_map, l2_map);
-    handoff_done(epilogue);
     setmaxnreg_dec<kLaunchRegs>();
   }
   __syncthreads();  // the epilogue warpgroup's last combine writes, before the barrier's release

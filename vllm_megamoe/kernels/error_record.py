@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull (grid sync)", "L1 -> L2 (token block ready)",
           "L2 / combine (NVLink barrier)", "combine reduce")
 KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT = 1, 2, 3, 4, 5
+KIND_HANDOFF_TIMEOUT = 6
 RECORD_INTS = 8
 
 _records: dict[int, torch.Tensor] = {}
@@ -55,6 +56,11 @@ def describe(values: list[int]) -> Optional[str]:
         return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: TMA stage {a} (use {b}) never landed; "
                 "a copy that does not complete is a kernel bug: please report it with this line, and run "
                 "with VLLM_MEGAMOE_SM90_MAINLOOP=wgmma meanwhile.")
+    if kind == KIND_HANDOFF_TIMEOUT:
+        side = "the MMA warpgroups' tile" if a == 0 else "the epilogue warpgroup's release of the tile"
+        return (f"megamoe: rank {rank} CTA {cta} timed out in {where} waiting for {side} (hand-off {b}); the "
+                "other side of the CTA stalled, a kernel bug: please report it with this line, and run with "
+                "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0 meanwhile.")
     if kind == KIND_STAGING_FULL:
         return (f"megamoe: rank {rank} received {a} rows but staging holds {b}; build the SymmBuffer "
                 "without ring_rows or with more of them.")
@@ -81,7 +87,7 @@ def raise_if_set(device: torch.device) -> None:
     message = report(device)
     if message is not None:
         kind = int(_records[torch.device(device).index or 0][0])
-        timeouts = (KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT)
+        timeouts = (KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT, KIND_HANDOFF_TIMEOUT)
         raise (BarrierTimeoutError if kind in timeouts else MegaMoEError)(message)
 
 

@@ -36,7 +36,9 @@ struct EpilogueSmem {
 #if !MEGAMOE_EPILOGUE_IN_STAGE
   alignas(16) u8 tile[kEpilogueTileBytes];
 #endif
-  HandoffHeader handoff;  // epilogue-warpgroup builds only
+  HandoffHeader handoff;  // epilogue-warpgroup builds only, as are the two mbarriers:
+  u64 tile_full;          // the MMA warpgroups' threads arrive once the tile and header are written
+  u64 tile_empty;         // the epilogue warpgroup's threads arrive once they are done reading it
 };
 
 // The epilogue warpgroup's hand-off tile (epilogue_warpgroup.cuh; other builds never hand off).

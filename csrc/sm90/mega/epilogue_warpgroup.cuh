@@ -5,21 +5,21 @@
 // L1 block's release, whose fence stalled warp 0, the TMA issuer).
 //
 // Hand-off per task through one 32 KB shared-memory tile ([64 tokens][512 bytes], rows permuted
-// by epilogue_offset) and two named barriers that both sides wait at (bar.sync):
-//   MMA warpgroups: tile_empty, store the accumulators as BF16 (L1: each channel's (gate, up)
-//     pair, both rounded to BF16 as SwiGLU rounds them; L2: the 256 output channels) and the
-//     task's header, tile_full, then the next task's K loop;
-//   epilogue warpgroup: tile_full, one warp per token row (16 rows each): L1 SwiGLU x top-k
-//     weight, the row's FP8 scale (warp amax) or BF16, one row store to staging_l2, then the
-//     block's release; L2 the row to the source rank's combine buffer; then tile_empty.
-// The epilogue warpgroup reaches each barrier long before the MMA warpgroups (its work is a few
-// us, a K loop tens), so their waits are short; the release's fence stalls it, not the K loop.
-// (bar.arrive on the producing side would spare even that, but compute-sanitizer's racecheck
-// does not take an arrive as ordering the tile and reported every hand-off as a race.)
-// The epilogue warpgroup meets tile_empty once before its first tile_full, and a kHandoffDone
-// header after the last L2 task ends its loop with every barrier balanced. The values and their
-// rounding are those of the two-warpgroup epilogue (expert_gemm.cuh): both builds' outputs are
-// equal bit for bit (tests/gpu/test_sm90_mega_moe.py).
+// by epilogue_offset) and two mbarriers:
+//   MMA warpgroups: wait for tile_empty, store the accumulators as BF16 (L1: each channel's (gate,
+//     up) pair, both rounded to BF16 as SwiGLU rounds them; L2: the 256 output channels) and the
+//     task's header, arrive on tile_full (every thread), start the next task's K loop;
+//   epilogue warpgroup: wait for tile_full, one warp per token row (16 rows each): L1 SwiGLU x
+//     top-k weight, the row's FP8 scale (warp amax) or BF16, one row store to staging_l2; L2 the
+//     row to the source rank's combine buffer; arrive on tile_empty (every thread); L1: then the
+//     block's release (its fence stalls this warpgroup, not the K loop).
+// (Named barriers did the same: bar.arrive / bar.sync, or bar.sync on both sides; compute-
+// sanitizer's racecheck reported every hand-off as a race with either, docs/kernel_notes.md v18.)
+// The epilogue warpgroup arrives on tile_empty once before its first wait, so the MMA side
+// always waits before it writes (use n of tile_empty waits for the epilogue's n-th arrival), and a
+// kHandoffDone header after the last L2 task ends its loop.
+// The values and their rounding are those of the two-warpgroup epilogue (expert_gemm.cuh): both
+// builds' outputs are equal bit for bit (tests/gpu/test_sm90_mega_moe.py).
 // Registers: the launch gives 384 threads 168 each; the MMA warpgroups take kMmaRegs, the
 // epilogue warpgroup keeps kEpilogueRegs (setmaxnreg), back to 168 after the GEMM phases.
 #pragma once
@@ -29,6 +29,7 @@
 #include "k_loop_register_tokens.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
+#include "../ptx.cuh"
 #include "sync.cuh"
 
 namespace megamoe::mega {
@@ -42,14 +43,41 @@ static_assert(!kEpilogueWarpgroup || kNumMmaThreads * kMmaRegs + 128 * kEpilogue
               "setmaxnreg split exceeds the CTA's register pool: a warpgroup would wait forever");
 constexpr u32 kEpilogueWarps = 4;
 
+// Kernel start, thread 0 (a __syncthreads follows before any use).
+MEGAMOE_DEVICE void init_handoff(EpilogueSmem& smem) {
+  if constexpr (kEpilogueWarpgroup) {
+    mbarrier_init(&smem.tile_full, kNumMmaThreads);
+    mbarrier_init(&smem.tile_empty, kEpilogueWarps * 32);
+    fence_barrier_init();
+  }
+}
+
+// The MMA warpgroups' wait for phase `use` of a hand-off mbarrier (which: 0 tile_full, 1
+// tile_empty) with the call's deadline; reports and traps instead of hanging (and leaves the wait
+// after the trap: see wait_stage).
+MEGAMOE_DEVICE void wait_handoff(u64* bar, u32 use, u32 which, const Params& p, int phase) {
+  if (mbarrier_try_wait(bar, use & 1)) return;
+  const Deadline deadline{global_timer_ns(), p.timeout_ns};
+  while (!mbarrier_try_wait(bar, use & 1)) {
+    if (deadline.expired()) {
+      report_and_trap(p.error_record, kErrorHandoffTimeout, p.rank, phase, static_cast<int>(which), static_cast<int>(use), 0);
+      return;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- MMA warpgroups' side
 // Before the tile is written: the epilogue warpgroup is done with the previous one.
-MEGAMOE_DEVICE void handoff_wait_empty() { bar_sync(kBarrierTileEmpty, kNumThreads); }
+MEGAMOE_DEVICE void handoff_wait_empty(EpilogueSmem& smem, u32 handoffs, const Params& p, int phase) {
+  wait_handoff(&smem.tile_empty, handoffs, 1, p, phase);
+}
 
-// After the tile is written: the header (thread 0), then the tile is the epilogue warpgroup's.
-MEGAMOE_DEVICE void handoff_publish(EpilogueSmem& smem, HandoffKind kind, u32 block, u32 tile, const TaskRows& t) {
+// After the tile is written: the header (thread 0), then every MMA thread arrives.
+MEGAMOE_DEVICE void handoff_publish(EpilogueSmem& smem, HandoffKind kind, u32 block, u32 tile, const TaskRows& t,
+                                    u32& handoffs) {
   if (threadIdx.x == 0) smem.handoff = HandoffHeader{static_cast<u32>(kind), block, tile, t.first_row, t.num_rows};
-  bar_sync(kBarrierTileFull, kNumThreads);
+  mbarrier_arrive(&smem.tile_full);
+  ++handoffs;
 }
 
 // L1: acc's (gate, up) pairs as BF16 into the tile: pair of channel c of token row r at byte
@@ -90,9 +118,9 @@ MEGAMOE_DEVICE void handoff_l1_pairs(u8* tile, const WarpAcc& acc) {
 }
 
 // After the L2 phase's last task: tells the epilogue warpgroup to leave its loop.
-MEGAMOE_DEVICE void handoff_done(EpilogueSmem& smem) {
-  handoff_wait_empty();
-  handoff_publish(smem, kHandoffDone, 0, 0, TaskRows{});
+MEGAMOE_DEVICE void handoff_done(EpilogueSmem& smem, u32 handoffs, const Params& p) {
+  handoff_wait_empty(smem, handoffs, p, kPhaseL2);
+  handoff_publish(smem, kHandoffDone, 0, 0, TaskRows{}, handoffs);
 }
 
 // ---------------------------------------------------------------- the epilogue warpgroup
@@ -160,19 +188,25 @@ MEGAMOE_DEVICE void epilogue_l2_rows(const u8* tile, const HandoffHeader& h, con
 // until the kHandoffDone header.
 MEGAMOE_DEVICE void run_epilogue_warpgroup(EpilogueSmem& smem, const Params& p) {
   const Regions me{p.peers[p.rank]};
-  bar_sync(kBarrierTileEmpty, kNumThreads);  // the tile is free for the first task
-  while (true) {
-    bar_sync(kBarrierTileFull, kNumThreads);
+  mbarrier_arrive(&smem.tile_empty);  // the tile is free for the first task
+  for (u32 use = 0;; ++use) {
+    // No deadline of its own: the MMA warpgroups hand off or trap at one of theirs (stage, token
+    // block, tile_empty), and a trap ends the grid. A deadline's trap here made ptxas allocate every
+    // setmaxnreg region at the launch's 168 registers (3-5 KB of spills, serialised wgmmas), even
+    // with the loop left after it; so did exit.
+    while (!mbarrier_try_wait(&smem.tile_full, use & 1)) {
+    }
     const HandoffHeader h = smem.handoff;
     if (h.kind == kHandoffDone) break;
     if (h.kind == kHandoffL1) {
       if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l1_rows(handoff_tile(smem), h, p, me);
+      mbarrier_arrive(&smem.tile_empty);
       bar_sync(kBarrierEpilogue, kEpilogueWarps * 32);  // every row of the tile stored
       if (threadIdx.x == kNumMmaThreads) publish_l1_tile(me, h.block);
     } else {
       if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l2_rows(handoff_tile(smem), h, p, me);
+      mbarrier_arrive(&smem.tile_empty);
     }
-    bar_sync(kBarrierTileEmpty, kNumThreads);
   }
 }
 

@@ -116,9 +116,9 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   span_end(p, clock, kSpanL1Gemm);
   if constexpr (kEpilogueWarpgroup) {  // the epilogue warpgroup does the rest (epilogue_warpgroup.cuh)
-    handoff_wait_empty();
+    handoff_wait_empty(smem, st.handoffs, p, kPhaseL1);
     handoff_l1_pairs<kN, kRegTok>(handoff_tile(smem), acc);
-    handoff_publish(smem, kHandoffL1, at.block, wt, t);
+    handoff_publish(smem, kHandoffL1, at.block, wt, t, st.handoffs);
     span_end(p, clock, kSpanL1Epilogue);
     span_count(p, clock, kSpanL1Tasks);
     return;
@@ -346,9 +346,9 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   };
   if constexpr (kEpilogueWarpgroup) {  // one pass (64 tokens); the epilogue warpgroup sends the rows
     static_assert(kPassTokens == kN, "the hand-off tile holds the whole task");
-    handoff_wait_empty();
+    handoff_wait_empty(smem, st.handoffs, p, kPhaseL2);
     write_pass(0);
-    handoff_publish(smem, kHandoffL2, at.block, ht, t);
+    handoff_publish(smem, kHandoffL2, at.block, ht, t, st.handoffs);
   } else {
 #pragma unroll
     for (u32 pass = 0; pass < kN / kPassTokens; ++pass) {

@@ -146,6 +146,7 @@ struct MainloopState {
   int phase;  // for a stage-wait timeout report (kPhaseL1 / kPhaseL2)
   bool scales_prefetched = false;
   TaskScaleRegs<K / kScaleBlock> next_scales = {};
+  u32 handoffs = 0;  // epilogue warpgroup: tiles handed off so far (its mbarriers' phase parity), both phases
 };
 
 #if MEGAMOE_SMEM_MAINLOOP >= 3

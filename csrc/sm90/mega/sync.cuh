@@ -7,11 +7,9 @@
 namespace megamoe::mega {
 
 // Named barriers of a CTA (0 is __syncthreads'): with an epilogue warpgroup the GEMM phases'
-// barriers leave it out, and the tile hand-off between the two sides has a full and an empty one.
+// barriers leave it out (its hand-off with the MMA warpgroups goes through mbarriers).
 constexpr u32 kBarrierMma = 1;         // the MMA warpgroups' CTA barrier (kNumMmaThreads)
-constexpr u32 kBarrierTileFull = 2;    // the hand-off tile holds a task (kNumThreads)
-constexpr u32 kBarrierTileEmpty = 3;   // the epilogue warpgroup is done with it (kNumThreads)
-constexpr u32 kBarrierEpilogue = 4;    // the epilogue warpgroup alone (128)
+constexpr u32 kBarrierEpilogue = 2;    // the epilogue warpgroup alone (128)
 
 MEGAMOE_DEVICE void bar_sync(u32 id, u32 threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
 
@@ -69,7 +67,8 @@ MEGAMOE_DEVICE const char* phase_name(int phase) {
 // printf output is not guaranteed to reach the host when a kernel traps). Layout, shared with
 // vllm_megamoe/kernels/error_record.py: {kind, rank, phase, cta, a, b, c, 0}.
 enum ErrorKind : int {
-  kErrorGridTimeout = 1, kErrorNvlinkTimeout = 2, kErrorStagingFull = 3, kErrorBlockTimeout = 4, kErrorStageTimeout = 5
+  kErrorGridTimeout = 1, kErrorNvlinkTimeout = 2, kErrorStagingFull = 3, kErrorBlockTimeout = 4, kErrorStageTimeout = 5,
+  kErrorHandoffTimeout = 6
 };
 
 MEGAMOE_DEVICE void report_error(int* record, int kind, int rank, int phase, int a, int b, int c) {
