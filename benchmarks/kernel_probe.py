@@ -38,7 +38,7 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
          "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",
          # which of a CTA's L1 tasks a trace build traces (default 2; 0 at a few tokens per rank)
          "trace_task": "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK",
-         # 0: the 64-token TMA builds without their epilogue warpgroup (epilogue_warpgroup.cuh); a
+         # 0: the 32- and 64-token TMA builds without their epilogue warpgroup (epilogue_warpgroup.cuh); a
          # csrc= tree from before it must run with 0 (its kernel has 256 threads)
          "epilogue_wg": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP",
          # another source tree (a csrc/ directory, e.g. `git archive <commit> csrc` unpacked): its

@@ -493,12 +493,13 @@ def test_chunk_trace_build_compiles_without_spills(private_cache, monkeypatch):
     assert "C75" not in compiled.log, compiled.log
 
 
-@pytest.mark.parametrize("mainloop,tile,env,threads", [("tma", 64, None, 384), ("tma", 64, "0", 256), ("tma", 32, None, 256),
-                                                       ("wgmma", 64, None, 256), ("tma", 128, None, 256)])
+@pytest.mark.parametrize("mainloop,tile,env,threads", [("tma", 64, None, 384), ("tma", 64, "0", 256), ("tma", 32, None, 384),
+                                                       ("tma", 32, "0", 256), ("wgmma", 64, None, 256),
+                                                       ("tma", 128, None, 256)])
 def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
-    """The 64-token TMA builds run an epilogue warpgroup (384 threads, its tile in static shared
-    memory, so one stage fewer fits), unless VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0; other builds
-    launch 256 threads."""
+    """The 32- and 64-token TMA builds run an epilogue warpgroup (384 threads, its tile in static
+    shared memory: 5 stages still fit the 32-token tiles, 4 the 64-token ones), unless
+    VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0; other builds launch 256 threads."""
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
     from vllm_megamoe.kernels.sm90_tuning import Choice
@@ -515,13 +516,13 @@ def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
     assert ("MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines)) == (threads == 384)
     in_stage = sm90_smem.static_smem_bytes(128, 2, tile, "tma")
     if threads == 384:
-        assert in_stage >= 64 * 256 * 2  # the hand-off tile
-        assert not sm90_smem.fits(shape, 2, "tma", 5, 64)
+        assert in_stage >= tile * 256 * 2  # the hand-off tile
+        assert sm90_smem.fits(shape, 2, "tma", 5, 32) and not sm90_smem.fits(shape, 2, "tma", 5, 64)
     buf = _Buf()  # the op's per-buffer spec cache tells the two builds apart
     assert sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile)) == spec
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "1" if env == "0" else "0")
     other = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
-    assert (other != spec) == (mainloop == "tma" and tile == 64)
+    assert (other != spec) == (mainloop == "tma" and tile in (32, 64))
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "2")
     with pytest.raises(ValueError, match="EPILOGUE_WARPGROUP"):
         sm90_smem.has_epilogue_warpgroup("tma", 64)

@@ -2,7 +2,7 @@
 //   stage + announce -> [NVLink barrier] -> counts read from the peers, pull -> L1 + SwiGLU -> (per token
 //   block) L2 + combine writes -> [NVLink barrier] -> top-k reduce -> counters reset
 // The pull and L1 are separated by a grid-wide barrier, L1 -> L2 by per-token-block counters;
-// the 64-token TMA builds run the GEMM epilogues on a third warpgroup (epilogue_warpgroup.cuh);
+// the 32- and 64-token TMA builds run the GEMM epilogues on a third warpgroup (epilogue_warpgroup.cuh);
 // GEMM tasks go to CTAs in index order as they ask (task_queue.cuh);
 // every CTA of the grid must be resident (the host checks occupancy) and every wait times out
 // with a report naming the rank and the phase.

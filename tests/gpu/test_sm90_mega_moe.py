@@ -276,17 +276,18 @@ def test_unaligned_x_and_y_one_gpu(fmt):
 
 
 @requires_sm90
+@pytest.mark.parametrize("tile", ["32", "64"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
-def test_epilogue_warpgroup_is_bit_identical_one_gpu(fmt, monkeypatch):
-    """The 64-token builds' epilogue warpgroup computes what the MMA warpgroups' own epilogue does
-    (SwiGLU on the BF16-rounded gate / up, the FP8 scale per token, the combine rows): the outputs
-    of the two builds are equal bit for bit, with full and narrow token blocks, with and without
-    the activation clamp, and over several calls of one buffer."""
+def test_epilogue_warpgroup_is_bit_identical_one_gpu(fmt, tile, monkeypatch):
+    """The 32- / 64-token TMA builds' epilogue warpgroup computes what the MMA warpgroups' own
+    epilogue does (SwiGLU on the BF16-rounded gate / up, the FP8 scale per token, the combine
+    rows): the outputs of the two builds are equal bit for bit, with full and narrow token blocks,
+    with and without the activation clamp, and over several calls of one buffer."""
     from mega_cases import global_weights, inputs
     from vllm_megamoe import SymmBuffer
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
     dev = torch.device("cuda", 0)
     for shape_name, tokens in (("qwen3-30b-a3b", [1000, 37]), ("v4-flash", [4096, 300])):
         shape = SHAPES[shape_name]

@@ -17,12 +17,12 @@ TMA_MAINLOOPS = ("tma",)
 EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)
 # Builds with an epilogue warpgroup (csrc/sm90/mega/epilogue_warpgroup.cuh): 384 threads, the
 # epilogues run beside the next task's K loop; their tile is static shared memory of its own.
-EPILOGUE_WARPGROUP_TILES = (64,)
+EPILOGUE_WARPGROUP_TILES = (32, 64)
 EPILOGUE_WARPGROUP_ENV = "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP"
 
 
 def epilogue_warpgroup_enabled() -> bool:
-    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP: 1 (default) or 0 (the 64-token TMA builds run their
+    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP: 1 (default) or 0 (the 32- and 64-token TMA builds run their
     epilogues on the MMA warpgroups, as the other builds do; for A/B measurements)."""
     raw = os.environ.get(EPILOGUE_WARPGROUP_ENV, "1")
     require(raw in ("0", "1"), f"{EPILOGUE_WARPGROUP_ENV}={raw!r} must be 0 or 1")

@@ -132,9 +132,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "Pipeline depth of the SM90 kernel's shared-memory mainloops (2-8; default from the tuning "
         "table, else 4).", core_env=True),
     Key("sm90_epilogue_warpgroup", _flag, None,
-        "1 (default): the SM90 kernel's 64-token TMA builds run their GEMM epilogues on a third "
-        "warpgroup while the other two run the next task's K loop (0.90-0.97x the time at "
-        "1024-8192 tokens per rank, docs/kernel_notes.md v18); 0: on the MMA warpgroups (A/B only).",
+        "1 (default): the SM90 kernel's 32- and 64-token TMA builds run their GEMM epilogues on a "
+        "third warpgroup while the other two run the next task's K loop (0.89-0.97x the time at "
+        "1024-8192 tokens per rank, Qwen3-like decode 0.90-0.98x, docs/kernel_notes.md v18); 0: on "
+        "the MMA warpgroups (A/B only).",
         core_env=True),
     Key("sm90_ablate", _text, None,
         "Profiling only, outputs are wrong: SM90 builds without part of the GEMM mainloop "

@@ -67,7 +67,7 @@ constexpr u32 kTileRows = 256;                  // weight rows per task
 #define MEGAMOE_TILE_TOKENS 32
 #endif
 constexpr u32 kTileTokens = MEGAMOE_TILE_TOKENS; // tokens per task (a token block)
-// The 64-token TMA builds add a third warpgroup that runs the GEMM tasks' epilogues (SwiGLU,
+// The 32- and 64-token TMA builds add a third warpgroup that runs the GEMM tasks' epilogues (SwiGLU,
 // requantization, the stores, the L1 block's release) while the MMA warpgroups run the next
 // task's K loop (epilogue_warpgroup.cuh); every other build has the two MMA warpgroups only.
 #ifndef MEGAMOE_EPILOGUE_WARPGROUP
@@ -92,8 +92,8 @@ static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) &&
 // FP8 promotes two 64-float partials per chunk next to 128 accumulators at 128 tokens: spills,
 // and slower than 64-token tiles once the promotion overlaps the wgmmas (measured).
 static_assert(!(kFP8 && kTileTokens == 128), "128-token tiles are BF16 only");
-static_assert(!kEpilogueWarpgroup || (MEGAMOE_SMEM_MAINLOOP == 3 && kTileTokens == 64),
-              "the epilogue warpgroup is built for the 64-token TMA tiles only");
+static_assert(!kEpilogueWarpgroup || (MEGAMOE_SMEM_MAINLOOP == 3 && kTileTokens <= 64),
+              "the epilogue warpgroup is built for the 32- and 64-token TMA tiles only");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 

@@ -289,7 +289,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   // 32-token builds' registers to spare, loaded before the K loop: after it, the load was a
   // dependent round trip between the K loop and the combine stores of every task (the L2
   // epilogue 1.4 -> 0.6-0.8 us per task at 8-128 tokens per rank, docs/kernel_notes.md v15).
-  constexpr bool kMetaEarly = kPassTokens == kN && kTileTokens <= 32;
+  constexpr bool kMetaEarly = kPassTokens == kN && kTileTokens <= 32 && !kEpilogueWarpgroup;
   const auto load_meta = [&](u32 pass_tok0, u32 pass_rows) {
     int4 meta = make_int4(0, 0, 0, 0);
     if (warp + kNumMmaWarps * lane < pass_rows)
