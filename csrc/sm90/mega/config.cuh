@@ -76,7 +76,8 @@ constexpr u32 kTileTokens = MEGAMOE_TILE_TOKENS; // tokens per task (a token blo
 constexpr bool kEpilogueWarpgroup = MEGAMOE_EPILOGUE_WARPGROUP != 0;
 constexpr u32 kNumMmaWarps = 8;                 // the GEMM phases' warps (warpgroups 0-1)
 constexpr u32 kNumMmaThreads = kNumMmaWarps * 32;
-constexpr u32 kNumWarps = kNumMmaWarps + (kEpilogueWarpgroup ? 4 : 0);  // the CTA's (every other phase's)
+constexpr u32 kEpilogueWarps = 4;               // an epilogue warpgroup's
+constexpr u32 kNumWarps = kNumMmaWarps + (kEpilogueWarpgroup ? kEpilogueWarps : 0);  // the CTA's (every other phase's)
 constexpr u32 kNumThreads = kNumWarps * 32;
 constexpr u32 kTokenTiles = kTileTokens / 8;     // n8 tiles per task
 constexpr u32 kScaleBlock = 128;

@@ -40,9 +40,8 @@ constexpr u32 kLaunchRegs = (65536 / kNumThreads) / 8 * 8;
 constexpr u32 kMmaRegs = 232, kEpilogueRegs = 40;
 static_assert(!kEpilogueWarpgroup || kEpilogueTileBytes == kTileTokens * kHandoffRowBytes,
               "the hand-off tile holds a whole task");
-static_assert(!kEpilogueWarpgroup || kNumMmaThreads * kMmaRegs + 128 * kEpilogueRegs <= kLaunchRegs * kNumThreads,
+static_assert(!kEpilogueWarpgroup || kNumMmaThreads * kMmaRegs + kEpilogueWarps * 32 * kEpilogueRegs <= kLaunchRegs * kNumThreads,
               "setmaxnreg split exceeds the CTA's register pool: a warpgroup would wait forever");
-constexpr u32 kEpilogueWarps = 4;
 
 // Kernel start, thread 0 (a __syncthreads follows before any use).
 MEGAMOE_DEVICE void init_handoff(EpilogueSmem& smem) {
@@ -53,24 +52,11 @@ MEGAMOE_DEVICE void init_handoff(EpilogueSmem& smem) {
   }
 }
 
-// The MMA warpgroups' wait for phase `use` of a hand-off mbarrier (which: 0 tile_full, 1
-// tile_empty) with the call's deadline; reports and traps instead of hanging (and leaves the wait
-// after the trap: see wait_stage).
-MEGAMOE_DEVICE void wait_handoff(u64* bar, u32 use, u32 which, const Params& p, int phase) {
-  if (mbarrier_try_wait(bar, use & 1)) return;
-  const Deadline deadline{global_timer_ns(), p.timeout_ns};
-  while (!mbarrier_try_wait(bar, use & 1)) {
-    if (deadline.expired()) {
-      report_and_trap(p.error_record, kErrorHandoffTimeout, p.rank, phase, static_cast<int>(which), static_cast<int>(use), 0);
-      return;
-    }
-  }
-}
-
 // ---------------------------------------------------------------- MMA warpgroups' side
-// Before the tile is written: the epilogue warpgroup is done with the previous one.
+// Before the tile is written: the epilogue warpgroup is done with the previous one (a timeout is
+// reported as a hand-off one, "which" 1: tile_empty).
 MEGAMOE_DEVICE void handoff_wait_empty(EpilogueSmem& smem, u32 handoffs, const Params& p, int phase) {
-  wait_handoff(&smem.tile_empty, handoffs, 1, p, phase);
+  wait_phase_or_trap(&smem.tile_empty, handoffs, p, kErrorHandoffTimeout, phase, 1);
 }
 
 // After the tile is written: the header (thread 0), then every MMA thread arrives.
@@ -202,7 +188,7 @@ MEGAMOE_DEVICE void run_epilogue_warpgroup(EpilogueSmem& smem, const Params& p) 
     if (h.kind == kHandoffL1) {
       if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l1_rows(handoff_tile(smem), h, p, me);
       mbarrier_arrive(&smem.tile_empty);
-      bar_sync(kBarrierEpilogue, kEpilogueWarps * 32);  // every row of the tile stored
+      named_barrier_sync(kBarrierEpilogue, kEpilogueWarps * 32);  // every row of the tile stored
       if (threadIdx.x == kNumMmaThreads) publish_l1_tile(me, h.block);
     } else {
       if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l2_rows(handoff_tile(smem), h, p, me);

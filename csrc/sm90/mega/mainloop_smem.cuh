@@ -149,20 +149,24 @@ struct MainloopState {
   u32 handoffs = 0;  // epilogue warpgroup: tiles handed off so far (its mbarriers' phase parity), both phases
 };
 
-#if MEGAMOE_SMEM_MAINLOOP >= 3
-// Waits for a TMA stage with the call's deadline; a copy that never lands is reported (rank,
-// phase, stage, use) through the error record and traps instead of hanging.
-MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase) {
+// Waits for phase `use` of an mbarrier with the call's deadline; past it, reports (kind, rank,
+// phase, what, use) through the error record and traps instead of hanging.
+MEGAMOE_DEVICE void wait_phase_or_trap(u64* bar, u32 use, const Params& p, int kind, int phase, u32 what) {
   if (mbarrier_try_wait(bar, use & 1)) return;
   const Deadline deadline{global_timer_ns(), p.timeout_ns};
   while (!mbarrier_try_wait(bar, use & 1)) {
     if (deadline.expired()) {
-      report_and_trap(p.error_record, kErrorStageTimeout, p.rank, phase, static_cast<int>(stage),
-                      static_cast<int>(use), 0);
+      report_and_trap(p.error_record, kind, p.rank, phase, static_cast<int>(what), static_cast<int>(use), 0);
       return;  // never reached; with the loop's back edge after the trap instead, ptxas allocated the
                // epilogue-warpgroup builds' MMA region at the launch's 168 registers (the K loop spilled)
     }
   }
+}
+
+#if MEGAMOE_SMEM_MAINLOOP >= 3
+// Waits for a TMA stage; a copy that never lands is reported with its stage and use.
+MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase) {
+  wait_phase_or_trap(bar, use, p, kErrorStageTimeout, phase, stage);
 }
 #endif
 

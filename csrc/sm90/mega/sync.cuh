@@ -2,6 +2,7 @@
 // when it passes, prints which rank and phase stalled with the counter values, then traps:
 // a lost peer or a starved grid becomes an error, never a hung GPU.
 #pragma once
+#include "../ptx.cuh"
 #include "config.cuh"
 
 namespace megamoe::mega {
@@ -11,11 +12,9 @@ namespace megamoe::mega {
 constexpr u32 kBarrierMma = 1;         // the MMA warpgroups' CTA barrier (kNumMmaThreads)
 constexpr u32 kBarrierEpilogue = 2;    // the epilogue warpgroup alone (128)
 
-MEGAMOE_DEVICE void bar_sync(u32 id, u32 threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
-
 // The GEMM phases' CTA barrier: every thread, or the MMA warpgroups beside an epilogue warpgroup.
 MEGAMOE_DEVICE void mma_barrier() {
-  if constexpr (kEpilogueWarpgroup) bar_sync(kBarrierMma, kNumMmaThreads);
+  if constexpr (kEpilogueWarpgroup) named_barrier_sync(kBarrierMma, kNumMmaThreads);
   else __syncthreads();
 }
 
@@ -71,7 +70,7 @@ enum ErrorKind : int {
   kErrorHandoffTimeout = 6
 };
 
-MEGAMOE_DEVICE void report_error(int* record, int kind, int rank, int phase, int a, int b, int c) {
+MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, int a, int b, int c) {
   if (record != nullptr && atomicCAS(record, 0, kind) == 0) {
     volatile int* r = record;
     r[1] = rank;
@@ -82,10 +81,6 @@ MEGAMOE_DEVICE void report_error(int* record, int kind, int rank, int phase, int
     r[6] = c;
     __threadfence_system();
   }
-}
-
-MEGAMOE_DEVICE void report_and_trap(int* record, int kind, int rank, int phase, int a, int b, int c) {
-  report_error(record, kind, rank, phase, a, b, c);
   __trap();
 }
 
