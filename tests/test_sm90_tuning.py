@@ -86,9 +86,9 @@ def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
 
 
 def test_auto_tile_128_is_bf16_only(clean_env):
-    # 256 expected rows per local expert: 256 * 256 / (2 * 6) = 5462 tokens per rank
-    assert tu.choose(V4, "bf16", 2, 5462) == Choice("tma", 4, 128)
-    assert tu.choose(V4, "bf16", 2, 5461) == Choice("tma", 4, 64)
+    # 96 expected rows per local expert: 96 * 256 / (2 * 6) = 2048 tokens per rank
+    assert tu.choose(V4, "bf16", 2, 2048) == Choice("tma", 4, 128)
+    assert tu.choose(V4, "bf16", 2, 2047) == Choice("tma", 4, 64)
     assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 64)
     assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]

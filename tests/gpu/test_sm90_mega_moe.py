@@ -80,6 +80,19 @@ def test_token_tiles_one_gpu(shape_name, tile, monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("tile", ["32", "64", "128"])
+@pytest.mark.parametrize("shape_name", ["small-odd", "v4-flash"])
+def test_bf16_token_tiles_one_gpu(shape_name, tile, monkeypatch):
+    """BF16 with each token tile forced (the deferred-wait K loop of every TMA build: 32- and
+    64-token tiles with the epilogue warpgroup, 128-token tiles with the epilogue in a stage),
+    1 to 4096 tokens: tasks shorter and longer than the stages, partial token blocks."""
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
+    rows = _rank(0, 1, None, shape_name, "bf16", CASES_1GPU)
+    assert_rows([rows], "bf16")
+
+
+@requires_sm90
 @pytest.mark.multigpu
 @requires_ranks
 def test_token_tile_64_multi_gpu(monkeypatch):

@@ -31,9 +31,11 @@ MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
 # filled by TMA, the launch passes tensor maps.
 TILES = (32, 64, 128)
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
-# BF16, tile "auto": 128 from this many (2 x H200, EP2: 1.08-1.11x at 384-1024 rows per expert,
-# even at 128, 0.94x at 48)
-AUTO_TILE_128_ROWS_PER_EXPERT = 256
+# BF16, tile "auto": 128 from this many. Since the deferred-wait K loop streams S - 1 chunks (one
+# H200, EP1, 128 over 64: 1.21x at 96 rows per expert, 1.09x at 128 and 1.04x at 192 for
+# V4-Flash-like, 1.07-1.13x at 128-341 for Qwen3-like, 1.01x at 64-128 and 1.05x at 256 for
+# DeepSeek-V3-like, but 0.93x at its 171; 0.99x at 48: docs/kernel_notes.md v19)
+AUTO_TILE_128_ROWS_PER_EXPERT = 96
 TABLE_NAME = "sm90_mega_moe.yaml"
 
 

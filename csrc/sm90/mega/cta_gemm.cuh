@@ -10,7 +10,7 @@ namespace megamoe::mega {
 // acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
 MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
   if constexpr (!kFP8) {
-    if constexpr (kWgmma) wgmma_chunk<kDeferWgmmaWait ? 1 : 0>(acc, sm, stage);
+    if constexpr (kWgmma) wgmma_chunk<0>(acc, sm, stage);
     else mma_chunk(acc, sm, stage, ntiles);
   } else if constexpr (kWgmma) {
     wgmma_chunk_promote_overlapped(acc, sm, stage, c);
@@ -49,7 +49,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   static_assert(kN == kTileTokens || kNarrowTasks, "only the lagged FP8 loop computes narrow tasks");
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
-  constexpr u32 kAhead = kDeferWgmmaWait ? S - 2 : S - 1;  // chunks in flight past the one computed
+  constexpr u32 kAhead = S - 1;  // chunks in flight past the one computed
   if (kChunks < kAhead) next = nullptr;  // too short to stream on: every task fills its own stages
   const u32 ntiles = (cur.rows.num_rows + 7) / 8;
   if constexpr (!kLagPromotion) acc.zero();
@@ -64,6 +64,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
 #if MEGAMOE_SMEM_MAINLOOP == 3
   if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p);  // zeroes acc
   else if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p);  // zeroes acc itself
+  else if constexpr (kDeferWgmmaWait) k_loop_deferred_wait<K>(acc, sm, st, cur, next, p);
   else
 #endif
   for (u32 c = 0; c < kChunks; ++c) {
@@ -77,11 +78,6 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     load_chunk_ahead<K>(sm, st, c + kAhead, cur, next);
     cp_async_commit();
     chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
-  }
-  if constexpr (kDeferWgmmaWait) {  // the last chunk's wgmmas, before the epilogue reads acc
-    wgmma_wait_group<0>();
-    fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
-    fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]));
   }
   st.seq += kChunks;
   st.prefetched = next != nullptr;

@@ -297,8 +297,7 @@ MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt) {
 }
 
 // BF16 with the TMA stages: a chunk's wgmmas are left in flight while the next chunk's are
-// issued (wait_group 1), so the tensor cores never drain between chunks; the K loop then streams
-// S - 2 chunks ahead instead of S - 1, since the stage it refills held the chunk before last.
+// issued (wait_group 1), so the tensor cores never drain between chunks (k_loop_deferred_wait).
 constexpr bool kDeferWgmmaWait = !kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
 
 // acc += one staged chunk (BF16), the chunk's wgmmas one commit group; returns with at most
@@ -320,6 +319,33 @@ MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage)
   fence_accumulators(d0);
   fence_accumulators(d1);
 }
+
+#if MEGAMOE_SMEM_MAINLOOP == 3
+// The BF16 K loop of one task (acc zeroed, the first S - 1 chunks issued). Per chunk c: wait for
+// its stage, issue its wgmmas, wait for chunk c - 1's (c's stay queued on the tensor cores), CTA
+// barrier, refill chunk c - 1's stage with chunk c + S - 1. Refilling after the barrier that
+// follows the issue keeps S - 1 chunks streaming; the barrier before the issue (the other loops)
+// could only refill the stage of chunk c - 2 and kept S - 2 in flight, which bound the BF16
+// prefill tasks: without any wgmma they took 0.87-0.92 of their time (docs/kernel_notes.md v19).
+// Chunk 0 refills the previous task's last stage (its epilogue tile, which that task's end
+// barrier released).
+template <u32 K>
+MEGAMOE_DEVICE void k_loop_deferred_wait(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
+                                         const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  for (u32 c = 0; c < kChunks; ++c) {
+    const u32 stage = (st.seq + c) % S;
+    wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
+    wgmma_chunk<1>(acc, sm, stage);
+    mma_barrier();  // every warp is done with chunk c - 1's stage
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+  }
+  wgmma_wait_group<0>();  // the last chunk's wgmmas, before the epilogue reads acc
+  fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
+  fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]));
+}
+#endif
 
 // Column of token `tok` in row `kb` of MainloopSmem::tok_scale: XOR-swizzled by an even number,
 // so a promotion's reads (8 consecutive tokens of one block) stay conflict-free and pairwise
