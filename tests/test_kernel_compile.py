@@ -213,8 +213,8 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
     """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
     with every mainloop (and 64- / 128-token tiles for wgmma / TMA); the shared memory it declares fits next to
     the dynamic mainloop stages."""
-    if fmt == "fp8-block" and mainloop.endswith("-128"):
-        pytest.skip("128-token tiles are BF16 only (test_fp8_refuses_128_token_tiles)")
+    if fmt == "fp8-block" and mainloop == "wgmma-128":
+        pytest.skip("FP8 128-token tiles need the tma mainloop (test_fp8_128_token_tiles_need_tma)")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop.split("-")[0])
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", mainloop.split("-")[1] if "-" in mainloop else "32")
     from vllm_megamoe import BufferLayout, MoEShape
@@ -242,8 +242,9 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
         assert int(static.group(1)) + sm90_mega_moe.dynamic_smem_bytes(spec) <= 227 * 1024
 
 
-def test_fp8_refuses_128_token_tiles(monkeypatch):
+def test_fp8_128_token_tiles_need_tma(monkeypatch):
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
@@ -252,8 +253,10 @@ def test_fp8_refuses_128_token_tiles(monkeypatch):
     class _Buf:
         layout = BufferLayout(shape, 2, 4096, "fp8-block")
 
-    with pytest.raises(ValueError, match="128-token tiles are BF16 only"):
+    with pytest.raises(ValueError, match="FP8 128-token tiles need the tma mainloop"):
         sm90_mega_moe.kernel_spec(shape, _Buf())
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    assert str(dict(sm90_mega_moe.kernel_spec(shape, _Buf()).defines)["MEGAMOE_TILE_TOKENS"]) == "128"
 
 
 @pytest.mark.parametrize("var,good,define,value,bad", [

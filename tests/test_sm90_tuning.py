@@ -119,10 +119,14 @@ def test_bad_settings_are_named(clean_env, tmp_path):
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_MAINLOOP='cutlass'"):
         tu.choose(V4, "fp8-block", 2, 8)
     clean_env.delenv("VLLM_MEGAMOE_SM90_MAINLOOP")
-    fp8_128 = _table(tmp_path, [{"max_tokens": 8, "mainloop": "tma", "stages": 3, "tile": 128}])
+    fp8_128 = _table(tmp_path, [{"max_tokens": 8, "mainloop": "wgmma", "stages": 3, "tile": 128}])
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(fp8_128))
-    with pytest.raises(ValueError, match="entry 0: 128-token tiles are BF16 only"):
+    with pytest.raises(ValueError, match="entry 0: FP8 128-token tiles need the tma mainloop"):
         tu.choose(V4, "fp8-block", 2, 8)
+    (tmp_path / "tma128").mkdir()
+    fp8_128_tma = _table(tmp_path / "tma128", [{"max_tokens": 8, "mainloop": "tma", "stages": 3, "tile": 128}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(fp8_128_tma))
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 3, 128)
     bad = _table(tmp_path, [{"max_tokens": 8, "mainloop": "smem", "stages": 4, "tile": 64}])
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(bad))
     with pytest.raises(ValueError, match="entry 0.*64-token tiles need"):

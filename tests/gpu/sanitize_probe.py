@@ -23,6 +23,7 @@ if __name__ == "__main__":
     os.environ["VLLM_MEGAMOE_SM90_TOKEN_TILE"] = "64"
     check("fp8-block", 200, "uniform", "fp8-block, 64-token tiles")  # with the epilogue warpgroup
     check("bf16", 200, "uniform", "bf16, 64-token tiles")
-    os.environ["VLLM_MEGAMOE_SM90_TOKEN_TILE"] = "128"  # BF16 only: the epilogue tile in a stage
+    os.environ["VLLM_MEGAMOE_SM90_TOKEN_TILE"] = "128"  # the epilogue tile in a stage
     check("bf16", 300, "uniform", "bf16, 128-token tiles")
+    check("fp8-block", 300, "uniform", "fp8-block, 128-token tiles")
     torch.cuda.synchronize()

@@ -68,12 +68,13 @@ def test_multi_gpu(shape_name, fmt):
 
 
 @requires_sm90
-@pytest.mark.parametrize("tile", ["32", "64"])
+@pytest.mark.parametrize("tile", ["32", "64", "128"])
 @pytest.mark.parametrize("shape_name", ["small-odd", "v4-flash", "qwen3-30b-a3b"])
 def test_token_tiles_one_gpu(shape_name, tile, monkeypatch):
     """FP8 with each token tile forced, whatever the table picks. With 64-token tiles the cases
     mix full token blocks with narrow ones (at most 32 rows: K loop and epilogue over 32 columns),
-    and 1-128 tokens run narrow tasks only."""
+    and 1-128 tokens run narrow tasks only; 128-token tiles (opt-in, the tma mainloop's
+    register-token loop with four row groups per warpgroup) compute every block whole."""
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
     rows = _rank(0, 1, None, shape_name, "fp8-block", CASES_1GPU)
     assert_rows([rows], "fp8-block")

@@ -138,9 +138,9 @@ def chunk_trace_task_from_env() -> int:
 def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0,
                trace: bool = False, trace_task: int = DEFAULT_TRACE_TASK, csrc: str = "") -> jit.KernelSpec:
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
-    require(sm90_tuning.tile_supported(fmt, choice.tile),
-            "128-token tiles are BF16 only (the FP8 build's partial sums do not fit its registers); "
-            "set VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
+    require(sm90_tuning.tile_supported(fmt, choice.tile, choice.mainloop),
+            f"FP8 128-token tiles need the tma mainloop (not {choice.mainloop!r}: its partial sums do not fit "
+            "the registers); set VLLM_MEGAMOE_SM90_MAINLOOP=tma or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,

@@ -95,14 +95,16 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
 
 
-def tile_supported(fmt: str, tile: int) -> bool:
-    """FP8 has no 128-token build: its two 64-float partials do not fit next to the accumulators."""
-    return not (fmt == "fp8-block" and tile == 128)
+def tile_supported(fmt: str, tile: int, mainloop: str = "tma") -> bool:
+    """FP8 128-token tiles run the tma mainloop's register-token K loop only (the swap-AB FP8
+    loops' partial sums and per-column scale products do not fit the registers)."""
+    return not (fmt == "fp8-block" and tile == 128 and mainloop != "tma")
 
 
 def auto_tiles(fmt: str) -> tuple:
-    """Every tile auto_tile can pick for the format: each one the format has a build of."""
-    return tuple(t for t in TILES if tile_supported(fmt, t))
+    """Every tile auto_tile can pick for the format (FP8 128-token tiles are opt-in: set
+    VLLM_MEGAMOE_SM90_TOKEN_TILE=128 or a table entry)."""
+    return tuple(t for t in TILES if t != 128 or fmt == "bf16")
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -145,7 +147,8 @@ def parse_table(doc: dict, where: str = "the tuning table") -> dict:
             raise ValueError(f"{what}: {exc}") from exc
         require(bool(buckets), f"{what}: no buckets")
         for _, c in buckets:
-            require(tile_supported(key[4], c.tile), f"{what}: {c.tile}-token tiles are BF16 only")
+            require(tile_supported(key[4], c.tile, c.mainloop),
+                    f"{what}: FP8 {c.tile}-token tiles need the tma mainloop (not {c.mainloop!r})")
         require(key not in table, f"{what}: a second entry for {key}")
         table[key] = buckets
     return table

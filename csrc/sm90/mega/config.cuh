@@ -90,9 +90,9 @@ static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for th
 static_assert(kNumRanks <= kNvlArrivedRanks, "this kernel addresses at most 8 ranks (an arrival word each)");
 static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) && MEGAMOE_SMEM_MAINLOOP >= 2),
               "token tiles are 32 rows, or 64 / 128 with the wgmma / tma mainloops");
-// FP8 promotes two 64-float partials per chunk next to 128 accumulators at 128 tokens: spills,
-// and slower than 64-token tiles once the promotion overlaps the wgmmas (measured).
-static_assert(!(kFP8 && kTileTokens == 128), "128-token tiles are BF16 only");
+// FP8 128-token tiles: the register-token loop only (two 32-float partials next to 128
+// accumulators; the swap-AB form needs 32 scale products per thread and spilled).
+static_assert(!(kFP8 && kTileTokens == 128) || MEGAMOE_SMEM_MAINLOOP == 3, "FP8 128-token tiles need the tma mainloop");
 static_assert(!kEpilogueWarpgroup || (MEGAMOE_SMEM_MAINLOOP == 3 && kTileTokens <= 64),
               "the epilogue warpgroup is built for the 32- and 64-token TMA tiles only");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");

@@ -62,7 +62,8 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   }
   if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next);  // visible to every thread after the first chunk's barrier
 #if MEGAMOE_SMEM_MAINLOOP == 3
-  if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p);  // zeroes acc
+  if constexpr (kRegisterTokens128) k_loop_register_tokens_128<K>(acc, sm, st, cur, next, p);  // zeroes acc
+  else if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p);  // zeroes acc
   else if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p);  // zeroes acc itself
   else if constexpr (kDeferWgmmaWait) k_loop_deferred_wait<K>(acc, sm, st, cur, next, p);
   else

@@ -76,8 +76,8 @@ MEGAMOE_DEVICE void handoff_l1_pairs(u8* tile, const WarpAcc& acc) {
     // Elements 8 m + k (gate rows) and 8 m + 4 + k (their up rows), k = 2 h + {0, 1}: token row
     // register_tokens_token(2 h), adjacent channels: one 8-byte store per (group, m, h).
 #pragma unroll
-    for (u32 mt = 0; mt < 2; ++mt) {
-      const float(&v)[32] = *reinterpret_cast<const float(*)[32]>(&acc.v[mt][0][0]);
+    for (u32 mt = 0; mt < kRtGroups; ++mt) {
+      const float(&v)[32] = rt_group(acc, mt);
 #pragma unroll
       for (u32 m = 0; m < 4; ++m)
 #pragma unroll

@@ -82,11 +82,13 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
   const TaskRows t = task_rows(table, at.block, at.expert);
   const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
   const float* sc = nullptr;
+  // The 128-token register-token tiles: every thread's rows span both 128-row scale blocks.
+  const u32 first_row = kRegisterTokens128 ? 0 : acc_row_base(threadIdx.x / 32, 0);
   if constexpr (kFP8)
-    sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + acc_row_base(threadIdx.x / 32, 0)) / kScaleBlock) *
+    sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + first_row) / kScaleBlock) *
                           (kInter / kScaleBlock);
   return {t, p.w2 + w_row0 * kInter * kElemBytes, maps.w2, ht * kTileRows, maps.l2, me.staging_l2(), kRowBytesL2,
-          {sc, sc},
+          {sc, kRegisterTokens128 ? sc + kInter / kScaleBlock : sc},
           me.staging_l2_scale(), kBufInter / kScaleBlock};
 }
 
@@ -142,21 +144,22 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   if constexpr (kRegTok) {
     float tok_amax[2] = {0.0f, 0.0f};  // the thread's token rows lo / hi
 #pragma unroll
-    for (u32 mt = 0; mt < 2; ++mt) {
-      float(&v)[32] = *reinterpret_cast<float(*)[32]>(&acc.v[mt][0][0]);
+    for (u32 mt = 0; mt < kRtGroups; ++mt) {
+      float(&v)[32] = rt_group(acc, mt);
 #pragma unroll
       for (u32 m = 0; m < 4; ++m)
 #pragma unroll
         for (u32 k = 0; k < 4; ++k) tok_amax[k / 2] = fmaxf(tok_amax[k / 2], swiglu(v[8 * m + k], v[8 * m + 4 + k]));
     }
     if constexpr (kFP8) {
-      // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below) the two warpgroups.
+      // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below, 64-token
+      // tiles) the two warpgroups; with 128 tokens a warpgroup holds all channels of its tokens.
 #pragma unroll
       for (u32 h = 0; h < 2; ++h) {
         float m = tok_amax[h];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        if (t4 == 0) smem.amax[warp / 4][register_tokens_token(2 * h)] = m;
+        if (t4 == 0) smem.amax[kRegisterTokens128 ? 0 : warp / 4][register_tokens_token(2 * h)] = m;
       }
     }
   } else {
@@ -190,7 +193,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       const u32 tok = threadIdx.x;
       float m = 0.0f;
 #pragma unroll
-      for (u32 w = 0; w < (kRegTok ? 2 : kNumMmaWarps); ++w) m = fmaxf(m, smem.amax[w][tok]);  // warpgroups or warps
+      for (u32 w = 0; w < (kRegTok ? (kRegisterTokens128 ? 1 : 2) : kNumMmaWarps); ++w)  // warpgroups or warps
+        m = fmaxf(m, smem.amax[w][tok]);
       const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
       smem.inv_scale[tok] = 1.0f / scale;
       if (tok < t.num_rows)
@@ -207,8 +211,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       const float w = smem.weight[tok];
       const float inv_scale = smem.inv_scale[tok];  // (the register-token loop is FP8 only)
 #pragma unroll
-      for (u32 mt = 0; mt < 2; ++mt) {
-        const float(&v)[32] = *reinterpret_cast<const float(*)[32]>(&acc.v[mt][0][0]);
+      for (u32 mt = 0; mt < kRtGroups; ++mt) {
+        const float(&v)[32] = rt_group(acc, mt);
 #pragma unroll
         for (u32 m = 0; m < 4; ++m) {
           const u32 row = register_tokens_row(mt, 8 * m + 2 * h);  // a gate row: channel = row / 16 x 8 + row % 8
@@ -316,20 +320,27 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
-  static_assert(!kRegTok || kN == kL2PassTokens, "the register-token map takes one pass");
+  static_assert(!kRegTok || kN == kL2PassTokens || kRegisterTokens128, "the 64-token register-token map takes one pass");
   u8* tile = epilogue_tile(smem, mainloop, st);  // [pass tokens][256 channels] bf16, chunks permuted (epilogue_offset)
   constexpr u32 kPassTiles = kPassTokens / 8;
   const auto write_pass = [&](u32 pass) {
     if constexpr (kRegTok) {
-      // out[mt][n8 column block][token row lo / hi]: channels register_tokens_row(mt, 4 nt) and + 1
+      // out[mt][nt][token row lo / hi]: n8 block f = mt kNTiles + nt of the flattened groups (group
+      // f / 8, block f % 8), channels register_tokens_row(f / 8, 4 (f % 8)) and + 1. 128-token
+      // tiles: pass p holds warpgroup p's tokens.
+      if (!kRegisterTokens128 || threadIdx.x / 128 == pass) {
 #pragma unroll
-      for (u32 mt = 0; mt < 2; ++mt)
+        for (u32 mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (u32 nt = 0; nt < kNTiles; ++nt)
+          for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-          for (u32 h = 0; h < 2; ++h)
-            *reinterpret_cast<u32*>(tile + epilogue_offset(register_tokens_token(2 * h), register_tokens_row(mt, 4 * nt) * 2,
-                                                           kTileRows * 2)) = out[mt][nt][h];
+            for (u32 h = 0; h < 2; ++h) {
+              const u32 f = mt * kNTiles + nt;
+              *reinterpret_cast<u32*>(tile + epilogue_offset(register_tokens_token(2 * h) - pass * kPassTokens,
+                                                             register_tokens_row(f / 8, 4 * (f % 8)) * 2, kTileRows * 2)) =
+                  out[mt][nt][h];
+            }
+      }
     } else {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)

@@ -1,6 +1,7 @@
-// The FP8 K loop of the 64-token prefill tiles with the tokens on the wgmma's M side, loaded
-// from the stage into registers once per chunk and warpgroup (ldmatrix), and the weight rows on
-// N through descriptors: m64n64 register-A wgmmas, two weight-row groups per warpgroup.
+// The FP8 K loops of the 64- and 128-token prefill tiles with the tokens on the wgmma's M side,
+// loaded from the stage into registers once per chunk and warpgroup (ldmatrix), and the weight
+// rows on N through descriptors: m64n64 register-A wgmmas, two (64 tokens) or four (128 tokens)
+// weight-row groups per warpgroup.
 // Why: the swap-AB loop (weights on M, k_loop_lagged_promotion) makes every m64 group re-read the
 // whole token tile from shared memory, 64 KB of operand reads per chunk, which is all of an SM's
 // shared-memory bandwidth for the tensor work; the TMA refills and the promotion's scale loads
@@ -8,27 +9,42 @@
 // thread instead of 32 (docs/kernel_notes.md v12: the probe's fused pattern with refill copies,
 // 921 -> 719 cycles per chunk).
 //
-// Accumulator map (group g of warpgroup w, thread lane l of warp q in the warpgroup): element i
-// of the m64n64 fragment is token 16 q + l / 4 + 8 ((i / 2) % 2) and weight row
-// 128 w + 64 g + 8 (i / 4) + 2 (l % 4) + i % 2 of the tile (accum_row / accum_col in wgmma.cuh,
-// with M = tokens). Stored in WarpAcc::v[g] flattened (the same 32 floats as the swap-AB fragment
-// of group g, another meaning): register_tokens_token / _row below say which.
+// Accumulator map, 64-token tiles (group g of warpgroup w, thread lane l of warp q in the
+// warpgroup): element i of the m64n64 fragment is token 16 q + l / 4 + 8 ((i / 2) % 2) and weight
+// row 128 w + 64 g + 8 (i / 4) + 2 (l % 4) + i % 2 of the tile (accum_row / accum_col in
+// wgmma.cuh, with M = tokens). 128-token tiles: warpgroup w takes tokens 64 w .. 64 w + 63 and all
+// 256 weight rows as four groups: token 64 w + 16 q + .., row 64 g + ... Group g's 32 floats are
+// WarpAcc's flattened floats 32 g .. 32 g + 31 (the swap-AB fragments' registers, another meaning):
+// register_tokens_token / _row / rt_group below say which.
 #pragma once
 #include "mainloop_smem.cuh"
 
 namespace megamoe::mega {
 
 // kRegisterTokens (mainloop_smem.cuh): full tasks (more than kNarrowTokens rows) run this loop;
-// narrow tasks keep the swap-AB loop with n32 wgmmas (M is 64 tokens here, it cannot shrink).
+// narrow tasks of the 64-token builds keep the swap-AB loop with n32 wgmmas (M is 64 tokens here,
+// it cannot shrink); the 128-token builds have no narrow tasks.
 constexpr u32 kRegisterTokensGroupRows = 64;  // weight rows (the wgmma N) per group
+constexpr bool kRegisterTokens128 = kRegisterTokens && kTileTokens == 128;
+constexpr u32 kRtGroups = kRegisterTokens128 ? 4 : 2;  // 64-row groups per warpgroup
 
-// Element i of group g's fragment: its token (0..63) and weight row (0..255) in the CTA tile.
+// Element i of group g's fragment: its token (0..kTileTokens - 1) and weight row (0..255) in the CTA tile.
 MEGAMOE_DEVICE u32 register_tokens_token(u32 i) {
-  return 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4 + 8 * ((i / 2) % 2);
+  const u32 base = kRegisterTokens128 ? 64 * (threadIdx.x / 128) : 0;
+  return base + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4 + 8 * ((i / 2) % 2);
 }
 MEGAMOE_DEVICE u32 register_tokens_row(u32 g, u32 i) {
-  return 128 * (threadIdx.x / 128) + kRegisterTokensGroupRows * g + 8 * (i / 4) + 2 * (threadIdx.x % 4) + i % 2;
+  const u32 base = kRegisterTokens128 ? 0 : 128 * (threadIdx.x / 128);
+  return base + kRegisterTokensGroupRows * g + 8 * (i / 4) + 2 * (threadIdx.x % 4) + i % 2;
 }
+// Group g's 32 accumulators.
+MEGAMOE_DEVICE float (&rt_group(WarpAcc& acc, u32 g))[32] {
+  return *reinterpret_cast<float(*)[32]>(&acc.v[0][0][0] + 32 * g);
+}
+MEGAMOE_DEVICE const float (&rt_group(const WarpAcc& acc, u32 g))[32] {
+  return *reinterpret_cast<const float(*)[32]>(&acc.v[0][0][0] + 32 * g);
+}
+static_assert(sizeof(WarpAcc) == kRtGroups * 32 * sizeof(float) || !kRegisterTokens, "one 32-float fragment per group");
 
 #if MEGAMOE_SMEM_MAINLOOP == 3
 // A chunk's 64 token rows x 128 K bytes as wgmma A fragments: one ldmatrix.x4 per k32 step.
@@ -37,19 +53,22 @@ struct TokenFragment {
 };
 
 MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage) {
-  const u32 tile = smem_addr(sm.b[stage]);
+  // 128-token tiles: warpgroup w's 64 rows (8 KB further: whole swizzle atoms)
+  const u32 tile = smem_addr(sm.b[stage]) + (kRegisterTokens128 ? (threadIdx.x / 128) * 64 * kStagedRow : 0);
 #pragma unroll
   for (u32 kk = 0; kk < kChunkBytes / 32; ++kk) load_a_fragment_fp8_sw128(a.r[kk], tile, kk);
 }
 
-// Group g (weight rows 128 w + 64 g ..) of a staged chunk into `part` (overwritten), committed.
+// Group g (weight rows register_tokens_row(g, 0) ..) of a staged chunk into `part` (overwritten), committed.
 MEGAMOE_DEVICE void issue_register_tokens_group(float (&part)[kRegisterTokensGroupRows / 2], const MainloopSmem& sm,
                                                 u32 stage, u32 g, const TokenFragment& a) {
   constexpr u32 kDescStep = 32 / 16;  // descriptors count 16-byte units
   fence_accumulators(part);
   wgmma_fence();  // part was read by the last promotion; a's ldmatrix results are in place
-  if (!(kAblate & kAblateMma) && !((kAblate & kAblateHalfRows) && g == 1)) {
-    const u64 desc = stage_desc_a(sm, stage, g);
+  if (!(kAblate & kAblateMma) && !((kAblate & kAblateHalfRows) && g % 2 == 1)) {
+    const u64 desc = kRegisterTokens128
+                         ? make_smem_desc_k_major_sw128(sm.a[stage] + g * kRegisterTokensGroupRows * kStagedRow)
+                         : stage_desc_a(sm, stage, g);
 #pragma unroll
     for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
       WgmmaFp8E4M3Rs<kRegisterTokensGroupRows>::mma(a.r[kk], desc + kDescStep * kk, part, kk > 0);
@@ -59,8 +78,10 @@ MEGAMOE_DEVICE void issue_register_tokens_group(float (&part)[kRegisterTokensGro
 
 // A chunk's promotion scales: [weight rows of even / odd n8 column blocks][the thread's token row
 // lo / hi]. L1: even blocks are gate rows, odd ones up rows (gate / up interleaved by 8 rows,
-// transforms.py), w_scale[warp][0 / 1] their scale blocks; L2: both entries are the warpgroup's
-// 128-row scale block.
+// transforms.py), w_scale[warp][0 / 1] their scale blocks; L2, 64-token tiles: both entries are
+// the warpgroup's 128-row scale block; L2, 128-token tiles: w_scale[warp][0 / 1] are the blocks of
+// rows 0-127 / 128-255, so groups 0-1 take entry 0 and groups 2-3 entry 1 for both parities
+// (RegisterTokenScales128).
 struct RegisterTokenScales {
   float s[2][2];
 };
@@ -146,6 +167,77 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
   }
   wait_for_part<0, 64>(part1);
   promote_register_tokens(acc1, part1, scales);
+}
+
+// The 128-token tiles' scales: group g's products, [parity][token row lo / hi] (see above).
+struct RegisterTokenScales128 {
+  float w[2], t[2];
+  bool l2;
+  MEGAMOE_DEVICE RegisterTokenScales group(u32 g) const {
+    const float we = l2 ? w[g / 2] : w[0], wo = l2 ? w[g / 2] : w[1];
+    return {{{we * t[0], we * t[1]}, {wo * t[0], wo * t[1]}}};
+  }
+};
+
+MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb) {
+  const u32 warp = threadIdx.x / 32, tok = register_tokens_token(0);
+  s.w[0] = lds_f32(&sm.w_scale[warp][0][kb]), s.w[1] = lds_f32(&sm.w_scale[warp][1][kb]);
+  s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok)]);
+  s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok + 8)]);
+}
+
+// The K loop of one 128-token task: each warpgroup its own 64 tokens x the 256 weight rows in four
+// 64-row groups, two partials taken in turn with a lag of one group (a group is queued on the
+// tensor cores while the one before it is promoted); acc zeroed here, the first S - 1 chunks
+// issued. Per chunk c: wait for its stage, its tokens into a (nothing in flight), g0 -> pa, CTA
+// barrier and refill of chunk c - 1's stage, g1 -> pb, wait g0 and promote it, g2 -> pa, wait g1,
+// promote, g3 -> pb, wait g2, promote, wait g3, promote. Per thread 128 accumulators, two 32-float
+// partials and a 16-register fragment; 4 scale values per chunk (the tokens on M: one token scale
+// per row). Carrying g3's promotion into the next chunk (as the 64-token loop does with its second
+// group) kept one more partial live across the barrier: 255 registers and 196 bytes spilled in the
+// loop (V4-Flash-like); this form uses 253-255 and spills nothing.
+template <u32 K>
+MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
+                                               const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+  constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
+  constexpr u32 S = kMainloopStages;
+  static_assert(kRegisterTokens128 && kRtGroups == 4, "the 128-token register-token loop");
+  float pa[32], pb[32];
+  TokenFragment a;
+  RegisterTokenScales128 scales;
+  scales.l2 = st.phase == kPhaseL2;
+  acc.zero();
+  // g1..g3 of chunk c, each issued once the group two before it is waited for and promoted.
+  const auto rest_of_chunk = [&](u32 stage, u32 c) {
+    issue_register_tokens_group(pb, sm, stage, 1, a);
+    load_register_token_scales_128(scales, sm, c);
+    wait_for_part<1, 64>(pa);  // g0(c), while g1(c) runs
+    promote_register_tokens(rt_group(acc, 0), pa, scales.group(0));
+    issue_register_tokens_group(pa, sm, stage, 2, a);
+    wait_for_part<1, 64>(pb);  // g1(c), while g2(c) runs
+    promote_register_tokens(rt_group(acc, 1), pb, scales.group(1));
+    issue_register_tokens_group(pb, sm, stage, 3, a);
+    wait_for_part<1, 64>(pa);  // g2(c), while g3(c) runs
+    promote_register_tokens(rt_group(acc, 2), pa, scales.group(2));
+    wait_for_part<0, 64>(pb);  // g3(c)
+    promote_register_tokens(rt_group(acc, 3), pb, scales.group(3));
+  };
+  u32 stage = st.seq % S;
+  wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
+  load_token_fragment(a, sm, stage);
+  issue_register_tokens_group(pa, sm, stage, 0, a);
+  mma_barrier();  // also: the task's scale tables are stored
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
+  rest_of_chunk(stage, 0);
+  for (u32 c = 1; c < kChunks; ++c) {
+    stage = (st.seq + c) % S;
+    wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
+    load_token_fragment(a, sm, stage);
+    issue_register_tokens_group(pa, sm, stage, 0, a);
+    mma_barrier();  // every warpgroup is done with chunk c - 1's stage
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    rest_of_chunk(stage, c);
+  }
 }
 #endif
 

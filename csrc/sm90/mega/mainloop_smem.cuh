@@ -41,9 +41,9 @@ constexpr u32 kMaxKBlocks = (kHidden > kInter ? kHidden : kInter) / kScaleBlock;
 // promoting both groups inside their chunk; one queued m64n64 group is still too short to hide a
 // promotion: docs/kernel_notes.md v7).
 constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
-// FP8 64-token tiles with the lagged promotion: full tasks run the K loop with the tokens in
-// registers (k_loop_register_tokens.cuh), narrow tasks the swap-AB one below.
-constexpr bool kRegisterTokens = kLagPromotion && kTileTokens == 64;
+// FP8 64- and 128-token tiles with the lagged promotion: full tasks run the K loop with the tokens
+// in registers (k_loop_register_tokens.cuh), narrow tasks (64-token tiles) the swap-AB one below.
+constexpr bool kRegisterTokens = kLagPromotion && (kTileTokens == 64 || kTileTokens == 128);
 
 struct MainloopSmem {
   alignas(kStageAlign) u8 a[kMainloopStages][kTileRows * kStagedRow];
@@ -491,7 +491,7 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 // Only the 64-token builds: in the 32-token ones (n16 narrow tasks, decode) the L1 / L2 phases
 // measured 1-6 % slower with it at 8 tokens per rank (benchmarks/results/decode_ab/).
 constexpr u32 kNarrowTokens = kTileTokens / 2;
-constexpr bool kNarrowTasks = kLagPromotion && kNarrowTokens >= 32;
+constexpr bool kNarrowTasks = kLagPromotion && kTileTokens == 64;
 
 #if MEGAMOE_SMEM_MAINLOOP == 3
 // One m64nN group (N = kN) of a staged chunk into `part` (overwritten), committed.
