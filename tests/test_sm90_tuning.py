@@ -6,6 +6,7 @@ from vllm_megamoe.kernels import sm90_tuning as tu
 from vllm_megamoe.kernels.sm90_tuning import Choice
 
 V4 = MoEShape(4096, 2048, 256, 6)
+DSV3 = MoEShape(7168, 2048, 256, 8)
 KNOBS = ("VLLM_MEGAMOE_SM90_MAINLOOP", "VLLM_MEGAMOE_SM90_STAGES", "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          "VLLM_MEGAMOE_SM90_TUNING", "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP")
 
@@ -35,7 +36,7 @@ def test_heuristic_without_table_or_environment(clean_env):
     assert tu.choose(V4, "fp8-block", 2, 1023) == Choice("tma", 4, 32)
     assert tu.choose(V4, "fp8-block", 2, 1024) == Choice("tma", 4, 64)
     assert tu.choose(V4, "bf16", 1, 2048) == Choice("tma", 4, 64)
-    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")  # a fixed tile replaces the heuristic's auto
     assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 32)
     assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32)]
@@ -74,7 +75,7 @@ def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
     for tile, stages in (("64", 4), ("128", 4), ("auto", 4)):
         clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
         c = tu.choose(V4, "fp8-block", 2, 8192)
-        assert (c.tile, c.stages) == (int(tile) if tile != "auto" else 64, stages)
+        assert (c.tile, c.stages) == (int(tile) if tile != "auto" else 128, stages)  # auto: 384 rows per expert
         assert sm90_smem.fits(V4, 2, "tma", c.stages, c.tile)
         assert not sm90_smem.fits(V4, 2, "tma", c.stages + 1, c.tile)
     clean_env.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "0")
@@ -85,20 +86,26 @@ def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
     assert tu.choose(V4, "bf16", 2, 8192) == Choice("tma", 5, 128)
 
 
-def test_auto_tile_128_is_bf16_only(clean_env):
-    # 96 expected rows per local expert: 96 * 256 / (2 * 6) = 2048 tokens per rank
+def test_auto_tile_128_thresholds(clean_env):
+    # BF16: 96 expected rows per local expert: 96 * 256 / (2 * 6) = 2048 tokens per rank
     assert tu.choose(V4, "bf16", 2, 2048) == Choice("tma", 4, 128)
     assert tu.choose(V4, "bf16", 2, 2047) == Choice("tma", 4, 64)
-    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 64)
+    # FP8: 256 rows: 256 * 256 / (2 * 6) = 5461.3 tokens per rank
+    assert tu.choose(V4, "fp8-block", 2, 5462) == Choice("tma", 4, 128)
+    assert tu.choose(V4, "fp8-block", 2, 5461) == Choice("tma", 4, 64)
+    assert tu.choose(DSV3, "fp8-block", 1, 8192) == Choice("tma", 3, 128)  # its scale tables leave room for 3
     assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
-    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")  # FP8 128-token tiles: tma only
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("wgmma", 4, 64)
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 4, 32), Choice("wgmma", 4, 64)]
 
 
 def test_auto_tile_follows_rows_per_expert(clean_env):
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "auto")
     # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.
     assert tu.choose(V4, "fp8-block", 2, 1024).tile == 64 and tu.choose(V4, "fp8-block", 2, 1023).tile == 32
-    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
     assert tu.choose(V4, "fp8-block", 2, 1024) == Choice("wgmma", 4, 64)
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")  # auto never picks 64 without wgmma

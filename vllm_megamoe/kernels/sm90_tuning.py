@@ -9,8 +9,8 @@ Three sources, strongest first:
    (read once per process: the op consults it on every call);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
-   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; BF16 128-token tiles from
-   AUTO_TILE_128_ROWS_PER_EXPERT (FP8 has no 128-token build).
+   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles from
+   AUTO_TILE_128_ROWS_PER_EXPERT (BF16) or AUTO_TILE_128_FP8_ROWS_PER_EXPERT (FP8, tma only).
 Ranks with different token counts may pick different builds in one call: the protocol between
 ranks does not depend on the build, and every build a layer may use is compiled before the first
 call's rank alignment (`choices`).
@@ -36,6 +36,11 @@ AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows p
 # V4-Flash-like, 1.07-1.13x at 128-341 for Qwen3-like, 1.01x at 64-128 and 1.05x at 256 for
 # DeepSeek-V3-like, but 0.93x at its 171; 0.99x at 48: docs/kernel_notes.md v19)
 AUTO_TILE_128_ROWS_PER_EXPERT = 96
+# FP8, tile "auto", tma mainloop: 128 from this many (one H200, EP1, 128 over 64: 1.12x at 256
+# rows per expert and 1.03x at 192 for DeepSeek-V3- / V4-Flash-like, 1.03-1.08x at 256-512 for
+# Qwen3-like; 0.98x at 171, mixed at 128 (an expert's second block mostly padding), 1.13x at 96;
+# docs/kernel_notes.md v19). The EP2 table's entries predate the FP8 128-token build.
+AUTO_TILE_128_FP8_ROWS_PER_EXPERT = 256
 TABLE_NAME = "sm90_mega_moe.yaml"
 
 
@@ -86,11 +91,12 @@ def env_overrides() -> dict:
 
 def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str) -> int:
     """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT, 128
-    (BF16) from AUTO_TILE_128_ROWS_PER_EXPERT."""
+    from AUTO_TILE_128_ROWS_PER_EXPERT (BF16) or AUTO_TILE_128_FP8_ROWS_PER_EXPERT (FP8, tma)."""
     if mainloop not in WGMMA_MAINLOOPS:
         return 32
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
-    if fmt == "bf16" and rows_per_expert >= AUTO_TILE_128_ROWS_PER_EXPERT:
+    rows_128 = AUTO_TILE_128_ROWS_PER_EXPERT if fmt == "bf16" else AUTO_TILE_128_FP8_ROWS_PER_EXPERT
+    if rows_per_expert >= rows_128 and tile_supported(fmt, 128, mainloop):
         return 128
     return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
 
@@ -101,10 +107,9 @@ def tile_supported(fmt: str, tile: int, mainloop: str = "tma") -> bool:
     return not (fmt == "fp8-block" and tile == 128 and mainloop != "tma")
 
 
-def auto_tiles(fmt: str) -> tuple:
-    """Every tile auto_tile can pick for the format (FP8 128-token tiles are opt-in: set
-    VLLM_MEGAMOE_SM90_TOKEN_TILE=128 or a table entry)."""
-    return tuple(t for t in TILES if t != 128 or fmt == "bf16")
+def auto_tiles(fmt: str, mainloop: str = "tma") -> tuple:
+    """Every tile auto_tile can pick for the format and mainloop."""
+    return tuple(t for t in TILES if tile_supported(fmt, t, mainloop))
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -214,7 +219,7 @@ def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     bases, env = _or_heuristic([c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])])
     out = []
     for base in bases:
-        tiles = auto_tiles(fmt) if env.get("tile") == "auto" else (None,)
+        tiles = auto_tiles(fmt, env.get("mainloop", base.mainloop)) if env.get("tile") == "auto" else (None,)
         for tile in tiles:
             override = dict(env, tile=tile) if tile is not None else env
             c = _apply(base, override, shape, fmt, None, num_ranks)
