@@ -335,10 +335,10 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
           for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
             for (u32 h = 0; h < 2; ++h) {
-              const u32 f = mt * kNTiles + nt;
-              *reinterpret_cast<u32*>(tile + epilogue_offset(register_tokens_token(2 * h) - pass * kPassTokens,
-                                                             register_tokens_row(f / 8, 4 * (f % 8)) * 2, kTileRows * 2)) =
-                  out[mt][nt][h];
+              const u32 f = mt * kNTiles + nt;  // (64-token tiles: group mt, block nt, written so)
+              const u32 row = kRegisterTokens128 ? register_tokens_row(f / 8, 4 * (f % 8)) : register_tokens_row(mt, 4 * nt);
+              *reinterpret_cast<u32*>(tile + epilogue_offset(register_tokens_token(2 * h) - pass * kPassTokens, row * 2,
+                                                             kTileRows * 2)) = out[mt][nt][h];
             }
       }
     } else {
