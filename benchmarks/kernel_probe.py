@@ -341,9 +341,10 @@ def main(argv=None) -> int:
         import torch
 
         from benchmarks.bench import commit_id
+        from vllm_megamoe.kernels.sm90_tuning import FP8_TILE128_BUILD
         with open(args.out, "w") as f:
             json.dump(dict(env=dict(gpu=torch.cuda.get_device_name(0), gpus=args.gpus, torch=torch.__version__,
-                                    commit=commit_id()), rows=rows), f, indent=1)
+                                    commit=commit_id(), fp8_tile128=FP8_TILE128_BUILD), rows=rows), f, indent=1)
     return 0
 
 

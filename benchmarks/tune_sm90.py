@@ -21,7 +21,7 @@ import json
 import math
 import os
 
-from vllm_megamoe.kernels.sm90_tuning import HEURISTIC, parse_table, tile_supported
+from vllm_megamoe.kernels.sm90_tuning import FP8_TILE128_BUILD, HEURISTIC, parse_table, tile_supported
 
 LAST_BUCKET = 1 << 20
 
@@ -55,12 +55,14 @@ def best_builds(probes: list[dict], max_err: float, min_gain: float = 0.0) -> di
     times: dict = {}  # key -> tokens -> label -> best us over the probes
     for probe in probes:
         ranks = int(probe["env"]["gpus"])
+        fp8_128_current = probe["env"].get("fp8_tile128") == FP8_TILE128_BUILD
         for r in probe["rows"]:
             if not r.get("mainloop") or r.get("graph_us") is None or r["rel_err_vs_first_variant"] > max_err:
                 continue
             loop, tile = r["mainloop"].split("/")[0], int(r["mainloop"].split("/")[2])
-            if not tile_supported(r["format"], tile, loop) or (r["format"] == "fp8-block" and tile == 128):
-                continue  # a build withdrawn since (the FP8 128-token probes before v19 timed the swap-AB build)
+            if not tile_supported(r["format"], tile, loop) or (r["format"] == "fp8-block" and tile == 128
+                                                               and not fp8_128_current):
+                continue  # a build withdrawn since (FP8 128-token probes before v19 timed the swap-AB build)
             point = times.setdefault((*_dims(r), r["format"], ranks), {}).setdefault(r["tokens_per_rank"], {})
             point[r["mainloop"]] = min(point.get(r["mainloop"], float("inf")), r["graph_us"])
     return {key: {tokens: _winner(builds, min_gain) for tokens, builds in points.items()}

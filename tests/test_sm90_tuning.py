@@ -154,7 +154,7 @@ def test_tuning_script_buckets_the_fastest_correct_build():
         row(128, "wgmma/4/32", 900), row(128, "wgmma/5/32", 950),
         row(1024, "wgmma/4/32", 1700), row(1024, "wgmma/4/64", 1500),
         row(8192, "wgmma/4/64", 6000), row(8192, "tma/4/64", 6100),
-        row(8192, "tma/3/128", 5000)]}  # an FP8 128-token build (withdrawn): never wins
+        row(8192, "tma/3/128", 5000)]}  # an FP8 128-token timing from before v19 (a withdrawn build): never wins
     doc = tune_sm90.table([probe], None, max_err=2e-2)
     (entry,) = doc["entries"]
     assert entry["shape"] == {"hidden": 4096, "intermediate": 2048, "experts": 256, "topk": 6} and entry["ranks"] == 2
@@ -170,6 +170,10 @@ def test_tuning_script_buckets_the_fastest_correct_build():
     assert margin[-2:] == [
         {"max_tokens": 2896, "mainloop": "wgmma", "stages": 4, "tile": 64},       # sqrt(1024 * 8192)
         {"max_tokens": tune_sm90.LAST_BUCKET, "mainloop": "tma", "stages": 4, "tile": 64}]
+    # A probe of the current FP8 128-token build (kernel_probe records its generation) may win.
+    current = dict(probe, env={"gpus": 2, "fp8_tile128": tu.FP8_TILE128_BUILD})
+    assert tune_sm90.table([current], None, max_err=2e-2)["entries"][0]["buckets"][-1] == \
+        {"max_tokens": tune_sm90.LAST_BUCKET, "mainloop": "tma", "stages": 3, "tile": 128}
     # An existing entry for another layer is kept; the probed layer's is replaced.
     other = dict(entry, ranks=4)
     doc2 = tune_sm90.table([probe], {"version": 1, "entries": [other, dict(entry, buckets=[])]}, 2e-2)

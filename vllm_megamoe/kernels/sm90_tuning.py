@@ -41,6 +41,9 @@ AUTO_TILE_128_ROWS_PER_EXPERT = 96
 # Qwen3-like; 0.98x at 171, mixed at 128 (an expert's second block mostly padding), 1.13x at 96;
 # docs/kernel_notes.md v19). The EP2 table's entries predate the FP8 128-token build.
 AUTO_TILE_128_FP8_ROWS_PER_EXPERT = 256
+# The FP8 128-token build's generation: kernel_probe records it, and benchmarks.tune_sm90 takes FP8
+# 128-token timings only from probes that carry it (earlier probes timed a withdrawn swap-AB build).
+FP8_TILE128_BUILD = "register-tokens"
 TABLE_NAME = "sm90_mega_moe.yaml"
 
 
