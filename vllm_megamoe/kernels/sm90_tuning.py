@@ -99,7 +99,8 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
         return 32
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     rows_128 = AUTO_TILE_128_ROWS_PER_EXPERT if fmt == "bf16" else AUTO_TILE_128_FP8_ROWS_PER_EXPERT
-    if rows_per_expert >= rows_128 and tile_supported(fmt, 128, mainloop):
+    # (128 only where 3 stages fit: FP8's token-scale table grows with the hidden size)
+    if rows_per_expert >= rows_128 and tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128):
         return 128
     return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
 
