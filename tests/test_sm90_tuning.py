@@ -86,20 +86,41 @@ def test_a_tile_override_keeps_the_depth_that_fits(clean_env, tmp_path):
     assert tu.choose(V4, "bf16", 2, 8192) == Choice("tma", 5, 128)
 
 
-def test_auto_tile_128_thresholds(clean_env):
-    # BF16: 96 expected rows per local expert: 96 * 256 / (2 * 6) = 2048 tokens per rank
-    assert tu.choose(V4, "bf16", 2, 2048) == Choice("tma", 4, 128)
-    assert tu.choose(V4, "bf16", 2, 2047) == Choice("tma", 4, 64)
-    # FP8: 256 rows: 256 * 256 / (2 * 6) = 5461.3 tokens per rank
-    assert tu.choose(V4, "fp8-block", 2, 5462) == Choice("tma", 4, 128)
-    assert tu.choose(V4, "fp8-block", 2, 5461) == Choice("tma", 4, 64)
+def test_expected_blocks_is_the_poisson_mean_of_ceil():
+    import math
+    import random
+    rng = random.Random(7)
+
+    def poisson(lam):  # Knuth's method, for a check independent of the closed form
+        limit, k, p = math.exp(-lam), 0, 1.0
+        while True:
+            p *= rng.random()
+            if p <= limit:
+                return k
+            k += 1
+    for lam, tile in ((40.0, 64), (96.0, 128), (171.0, 64)):
+        draws = [poisson(lam) for _ in range(20000)]
+        sampled = sum(-(-r // tile) for r in draws) / len(draws)
+        assert abs(tu.expected_blocks(lam, tile) - sampled) < 0.02, (lam, tile)
+    assert tu.expected_blocks(0.0, 64) == 0.0
+    assert tu.expected_blocks(5000.0, 128) == pytest.approx(5000 / 128 + 0.5, abs=0.1)
+
+
+def test_auto_tile_128_follows_the_padding_model(clean_env):
+    # rows per local expert at EP1 = tokens x top-k / experts: V4-Flash-like 8192 tokens -> 192
+    for fmt, tokens, tile in (("bf16", 2048, 64), ("bf16", 4096, 128), ("bf16", 8192, 128),
+                              ("fp8-block", 2048, 64), ("fp8-block", 4096, 128), ("fp8-block", 5461, 64),
+                              ("fp8-block", 8192, 128)):
+        assert tu.choose(V4, fmt, 1, tokens).tile == tile, (fmt, tokens)
+    # DeepSeek-V3-like at 171 rows (5461 tokens): 64 (its second block of 128 is mostly padding)
+    assert tu.choose(DSV3, "fp8-block", 1, 5461).tile == 64 and tu.choose(DSV3, "bf16", 1, 5461).tile == 64
     assert tu.choose(DSV3, "fp8-block", 1, 8192) == Choice("tma", 3, 128)  # its scale tables leave room for 3
     wide = MoEShape(24576, 2048, 256, 8)  # 128-token stages: only 2 fit beside the token-scale table
     assert tu.choose(wide, "fp8-block", 1, 8192) == Choice("tma", 3, 64) == tu.choose(wide, "bf16", 1, 8192)
     assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")  # FP8 128-token tiles: tma only
-    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("wgmma", 4, 64)
+    assert tu.choose(V4, "fp8-block", 1, 8192) == Choice("wgmma", 4, 64)
     assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 4, 32), Choice("wgmma", 4, 64)]
 
 
@@ -192,7 +213,7 @@ def test_packaged_table_parses():
 
 def test_doctor_names_the_build_and_reports_bad_settings(clean_env):
     from vllm_megamoe import doctor
-    assert doctor._sm90_build().startswith("8 tok/rank -> tma/4/32, 4096 tok/rank -> tma/4/64")
+    assert doctor._sm90_build().startswith("8 tok/rank -> tma/4/32, 4096 tok/rank -> tma/4/128")  # 192 rows per expert
     clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "12")
     assert doctor._sm90_build().startswith("error: VLLM_MEGAMOE_SM90_STAGES='12'")
 

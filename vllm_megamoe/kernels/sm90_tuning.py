@@ -9,8 +9,8 @@ Three sources, strongest first:
    (read once per process: the op consults it on every call);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
-   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles from
-   AUTO_TILE_128_ROWS_PER_EXPERT (BF16) or AUTO_TILE_128_FP8_ROWS_PER_EXPERT (FP8, tma only).
+   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles where a
+   padding-aware model prefers them (prefers_128; FP8 with the tma mainloop only).
 Ranks with different token counts may pick different builds in one call: the protocol between
 ranks does not depend on the build, and every build a layer may use is compiled before the first
 call's rank alignment (`choices`).
@@ -18,6 +18,7 @@ call's rank alignment (`choices`).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,16 +32,37 @@ MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
 # filled by TMA, the launch passes tensor maps.
 TILES = (32, 64, 128)
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
-# BF16, tile "auto": 128 from this many. Since the deferred-wait K loop streams S - 1 chunks (one
-# H200, EP1, 128 over 64: 1.21x at 96 rows per expert, 1.09x at 128 and 1.04x at 192 for
-# V4-Flash-like, 1.07-1.13x at 128-341 for Qwen3-like, 1.01x at 64-128 and 1.05x at 256 for
-# DeepSeek-V3-like, but 0.93x at its 171; 0.99x at 48: docs/kernel_notes.md v19)
-AUTO_TILE_128_ROWS_PER_EXPERT = 96
-# FP8, tile "auto", tma mainloop: 128 from this many (one H200, EP1, 128 over 64: 1.12x at 256
-# rows per expert and 1.03x at 192 for DeepSeek-V3- / V4-Flash-like, 1.03-1.08x at 256-512 for
-# Qwen3-like; 0.98x at 171, mixed at 128 (an expert's second block mostly padding), 1.13x at 96;
-# docs/kernel_notes.md v19). The EP2 table's entries predate the FP8 128-token build.
-AUTO_TILE_128_FP8_ROWS_PER_EXPERT = 256
+# Tile "auto", 64 or 128 (from AUTO_TILE_ROWS_PER_EXPERT rows): the one with fewer task-times per
+# expert, E[blocks] x the tile's task time, with an expert's rows Poisson-distributed around the
+# call's expected rows per local expert (uniform routing): a 128-token task takes 1.7x (FP8) /
+# 1.55x (BF16) a 64-token one (one H200, EP1, kernel_probe task spans at 8192 tokens per rank,
+# docs/kernel_notes.md v19), and a half-empty last block costs a whole task. It predicts the
+# measured side of every case there but the ties (128 over 64, measured / model: FP8 1.13 / 1.18 at
+# 96 rows, 0.98 / 0.90 at 171, 1.03 / 1.02 at 192, 1.03-1.12 / 1.06 at 256, 1.07 / 1.11 at 512;
+# BF16 1.21 / 1.29 at 96, 0.93 / 0.99 at 171, 1.05-1.07 / 1.17 at 256, 0.99 / 0.65 at 48).
+# FP8 128-token tiles: tma only. The EP2 table's entries predate the FP8 128-token build.
+TILE_128_TASK_TIME = {"fp8-block": 1.7, "bf16": 1.55}
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_blocks(rows_per_expert: float, tile: int) -> float:
+    """E[ceil(r / tile)] for an expert's rows r ~ Poisson(rows_per_expert): its token blocks (an
+    expert without rows has none), as sum over k >= 0 of P(r > k tile)."""
+    if rows_per_expert <= 0:
+        return 0.0
+    log_rate, cdf, blocks = math.log(rows_per_expert), 0.0, 0.0
+    for n in range(int(rows_per_expert + 12 * math.sqrt(rows_per_expert)) + tile + 1):
+        cdf += math.exp(n * log_rate - rows_per_expert - math.lgamma(n + 1))
+        if n % tile == 0:
+            blocks += max(0.0, 1.0 - cdf)
+    return blocks
+
+
+def prefers_128(fmt: str, rows_per_expert: float) -> bool:
+    """Whether 128-token tiles take less task time per expert than 64-token ones (see above)."""
+    return TILE_128_TASK_TIME[fmt] * expected_blocks(rows_per_expert, 128) < expected_blocks(rows_per_expert, 64)
+
+
 # The FP8 128-token build's generation: kernel_probe records it, and benchmarks.tune_sm90 takes FP8
 # 128-token timings only from probes that carry it (earlier probes timed a withdrawn swap-AB build).
 FP8_TILE128_BUILD = "register-tokens"
@@ -94,15 +116,16 @@ def env_overrides() -> dict:
 
 def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str) -> int:
     """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT, 128
-    from AUTO_TILE_128_ROWS_PER_EXPERT (BF16) or AUTO_TILE_128_FP8_ROWS_PER_EXPERT (FP8, tma)."""
+    where prefers_128 (BF16, and FP8 with the tma mainloop), else 32."""
     if mainloop not in WGMMA_MAINLOOPS:
         return 32
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
-    rows_128 = AUTO_TILE_128_ROWS_PER_EXPERT if fmt == "bf16" else AUTO_TILE_128_FP8_ROWS_PER_EXPERT
-    # (128 only where 3 stages fit: FP8's token-scale table grows with the hidden size)
-    if rows_per_expert >= rows_128 and tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128):
+    if rows_per_expert < AUTO_TILE_ROWS_PER_EXPERT:
+        return 32
+    # (128 only where 3 stages fit: the token-scale table grows with the hidden size)
+    if tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128) and prefers_128(fmt, rows_per_expert):
         return 128
-    return 64 if rows_per_expert >= AUTO_TILE_ROWS_PER_EXPERT else 32
+    return 64
 
 
 def tile_supported(fmt: str, tile: int, mainloop: str = "tma") -> bool:
