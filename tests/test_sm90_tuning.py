@@ -117,6 +117,7 @@ def test_auto_tile_128_follows_the_padding_model(clean_env):
     assert tu.choose(DSV3, "fp8-block", 1, 8192) == Choice("tma", 3, 128)  # its scale tables leave room for 3
     wide = MoEShape(24576, 2048, 256, 8)  # 128-token stages: only 2 fit beside the token-scale table
     assert tu.choose(wide, "fp8-block", 1, 8192) == Choice("tma", 3, 64) == tu.choose(wide, "bf16", 1, 8192)
+    assert [c.tile for c in tu.choices(wide, "fp8-block", 1)] == [32, 64]  # no 128 build compiled for it
     assert tu.choices(V4, "bf16", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")  # FP8 128-token tiles: tma only

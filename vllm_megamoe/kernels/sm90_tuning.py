@@ -246,7 +246,9 @@ def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     bases, env = _or_heuristic([c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])])
     out = []
     for base in bases:
-        tiles = auto_tiles(fmt, env.get("mainloop", base.mainloop)) if env.get("tile") == "auto" else (None,)
+        mainloop = env.get("mainloop", base.mainloop)
+        tiles = ([t for t in auto_tiles(fmt, mainloop) if t != 128 or fits(shape, num_ranks, mainloop, 3, 128)]
+                 if env.get("tile") == "auto" else (None,))  # (auto_tile's 128 needs 3 stages)
         for tile in tiles:
             override = dict(env, tile=tile) if tile is not None else env
             c = _apply(base, override, shape, fmt, None, num_ranks)
