@@ -105,6 +105,23 @@ MEGAMOE_DEVICE void promote_register_tokens(float (&acc_g)[kRegisterTokensGroupR
   for (u32 i = 0; i < kRegisterTokensGroupRows / 2; ++i) acc_g[i] = fmaf(part[i], s.s[(i / 4) % 2][(i / 2) % 2], acc_g[i]);
 }
 
+// A task's first chunk: wait for stage st.seq % S, its tokens into a, g0 -> part, the CTA barrier
+// (which also publishes the task's scale tables), then the refill of the previous task's last
+// stage (its epilogue is done) with chunk S - 1. Returns the stage.
+template <u32 K>
+MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroupRows / 2], TokenFragment& a, MainloopSmem& sm,
+                                              const MainloopState<K>& st, const TaskOperands& cur,
+                                              const TaskOperands* next, const Params& p) {
+  constexpr u32 S = kMainloopStages;
+  const u32 stage = st.seq % S;
+  wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
+  load_token_fragment(a, sm, stage);
+  issue_register_tokens_group(part, sm, stage, 0, a);
+  mma_barrier();
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next);
+  return stage;
+}
+
 // The K loop of one full 64-token task (acc zeroed here, the first S - 1 chunks issued). Per chunk
 // c: wait for its stage and for g1(c - 1), its tokens into a, g0(c) -> part0, CTA barrier and
 // refill of chunk c - 1's stage, promote g1(c - 1) (while g0(c) runs), g1(c) -> part1, promote
@@ -130,12 +147,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
   TokenFragment a;             // the chunk's tokens
   RegisterTokenScales scales;  // chunk c's, from its first group's promotion to its second's
   acc.zero();
-  u32 stage = st.seq % S;
-  wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
-  load_token_fragment(a, sm, stage);
-  issue_register_tokens_group(part0, sm, stage, 0, a);
-  mma_barrier();  // also: the task's scale tables are stored
-  load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
+  u32 stage = begin_register_tokens_task<K>(part0, a, sm, st, cur, next, p);
   issue_register_tokens_group(part1, sm, stage, 1, a);
   load_register_token_scales(scales, sm, 0);
   wait_for_part<1, 64>(part0);
@@ -222,12 +234,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, c
     wait_for_part<0, 64>(pb);  // g3(c)
     promote_register_tokens(rt_group(acc, 3), pb, scales.group(3));
   };
-  u32 stage = st.seq % S;
-  wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
-  load_token_fragment(a, sm, stage);
-  issue_register_tokens_group(pa, sm, stage, 0, a);
-  mma_barrier();  // also: the task's scale tables are stored
-  load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
+  u32 stage = begin_register_tokens_task<K>(pa, a, sm, st, cur, next, p);
   rest_of_chunk(stage, 0);
   for (u32 c = 1; c < kChunks; ++c) {
     stage = (st.seq + c) % S;
