@@ -122,21 +122,19 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     if rows_per_expert < AUTO_TILE_ROWS_PER_EXPERT:
         return 32
-    # (128 only where 3 stages fit: the token-scale table grows with the hidden size)
-    if tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128) and prefers_128(fmt, rows_per_expert):
-        return 128
-    return 64
+    return 128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop) and prefers_128(fmt, rows_per_expert) else 64
+
+
+def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, mainloop: str) -> bool:
+    """Whether auto_tile may pick 128 for this layer: a 128-token build of the format and mainloop
+    with 3 stages that fit (the token-scale table grows with the hidden size)."""
+    return tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128)
 
 
 def tile_supported(fmt: str, tile: int, mainloop: str = "tma") -> bool:
     """FP8 128-token tiles run the tma mainloop's register-token K loop only (the swap-AB FP8
     loops' partial sums and per-column scale products do not fit the registers)."""
     return not (fmt == "fp8-block" and tile == 128 and mainloop != "tma")
-
-
-def auto_tiles(fmt: str, mainloop: str = "tma") -> tuple:
-    """Every tile auto_tile can pick for the format and mainloop."""
-    return tuple(t for t in TILES if tile_supported(fmt, t, mainloop))
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -247,8 +245,8 @@ def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     out = []
     for base in bases:
         mainloop = env.get("mainloop", base.mainloop)
-        tiles = ([t for t in auto_tiles(fmt, mainloop) if t != 128 or fits(shape, num_ranks, mainloop, 3, 128)]
-                 if env.get("tile") == "auto" else (None,))  # (auto_tile's 128 needs 3 stages)
+        tiles = ([t for t in TILES if t != 128 or auto_tile_128_possible(shape, fmt, num_ranks, mainloop)]
+                 if env.get("tile") == "auto" else (None,))  # every tile auto_tile may pick
         for tile in tiles:
             override = dict(env, tile=tile) if tile is not None else env
             c = _apply(base, override, shape, fmt, None, num_ranks)
