@@ -28,6 +28,8 @@ import tempfile
 import threading
 from typing import Any, Iterable, Sequence
 
+from ..env_flags import env_flag
+
 # Bumped whenever the way keys or cubins are produced changes, so stale cache entries are ignored.
 _CACHE_FORMAT = 1
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp")
@@ -218,7 +220,7 @@ def spec_root(spec: KernelSpec) -> pathlib.Path:
 def _common_options(spec: KernelSpec, root: pathlib.Path) -> list[str]:
     options = ["-std=c++17", f"-I{root}", f"-I{(root / spec.source).parent}", "-DNDEBUG"]
     options += [f"-D{k}={v}" for k, v in spec.defines]
-    if os.environ.get("VLLM_MEGAMOE_JIT_LINEINFO", "0") == "1":
+    if env_flag("VLLM_MEGAMOE_JIT_LINEINFO", False):
         options.append("-lineinfo")
     options += list(spec.extra_options)
     return options

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..buffer import SymmBuffer
+from ..env_flags import env_flag
 from ..layout import NVL_ARRIVED_RANKS
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
@@ -119,9 +120,7 @@ def chunk_trace_from_env() -> bool:
     clock values inside a few K chunks of one L1 task per CTA into the phase clock
     (kernels.phase_clock.chunk_trace; MEGAMOE_CHUNK_TRACE in csrc/sm90/mega/phase_clock.cuh). Its
     outputs are right; the stores slow the traced chunks a little."""
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "")
-    require(raw in ("", "0", "1"), f"VLLM_MEGAMOE_SM90_CHUNK_TRACE={raw!r} must be 0 or 1")
-    return raw == "1"
+    return env_flag("VLLM_MEGAMOE_SM90_CHUNK_TRACE", False)
 
 
 def chunk_trace_task_from_env() -> int:

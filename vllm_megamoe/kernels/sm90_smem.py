@@ -4,9 +4,8 @@ EpilogueSmem, params.cuh ExpertTable), so a build that cannot fit is refused or 
 it is compiled. Free of torch: the tuning rules (sm90_tuning) use it too."""
 from __future__ import annotations
 
-import os
-
-from ..shape import MoEShape, require
+from ..env_flags import env_flag
+from ..shape import MoEShape
 
 TILE_ROWS = 256                 # weight rows per GEMM task
 SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
@@ -24,9 +23,7 @@ EPILOGUE_WARPGROUP_ENV = "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP"
 def epilogue_warpgroup_enabled() -> bool:
     """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP: 1 (default) or 0 (the 32- and 64-token TMA builds run their
     epilogues on the MMA warpgroups, as the other builds do; for A/B measurements)."""
-    raw = os.environ.get(EPILOGUE_WARPGROUP_ENV, "1")
-    require(raw in ("0", "1"), f"{EPILOGUE_WARPGROUP_ENV}={raw!r} must be 0 or 1")
-    return raw == "1"
+    return env_flag(EPILOGUE_WARPGROUP_ENV, True)
 
 
 def has_epilogue_warpgroup(mainloop: str, tile_tokens: int) -> bool:

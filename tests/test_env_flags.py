@@ -1,0 +1,41 @@
+"""On/off variables read the same by the plugin's settings and by the core's own readers."""
+import pathlib
+
+import pytest
+
+from vllm_megamoe.env_flags import FALSE, TRUE, env_flag, parse_flag
+from vllm_megamoe.kernels import jit, sm90_smem
+
+
+@pytest.mark.parametrize("raw", [*TRUE, *FALSE, "TRUE", " Off "])
+def test_core_and_plugin_read_a_flag_alike(monkeypatch, raw):
+    settings = pytest.importorskip("vllm_megamoe.plugin.settings")
+    monkeypatch.setenv("VLLM_MEGAMOE_TEST_FLAG", raw)
+    on = raw.strip().lower() in TRUE
+    assert env_flag("VLLM_MEGAMOE_TEST_FLAG", not on) is on
+    assert settings._flag(raw) == ("1" if on else "0")
+
+
+def test_unset_or_empty_is_the_default_and_a_bad_value_names_the_variable(monkeypatch):
+    monkeypatch.delenv("VLLM_MEGAMOE_TEST_FLAG", raising=False)
+    assert env_flag("VLLM_MEGAMOE_TEST_FLAG", True) is True
+    monkeypatch.setenv("VLLM_MEGAMOE_TEST_FLAG", " ")
+    assert env_flag("VLLM_MEGAMOE_TEST_FLAG", False) is False
+    monkeypatch.setenv("VLLM_MEGAMOE_TEST_FLAG", "2")
+    with pytest.raises(ValueError, match=r"VLLM_MEGAMOE_TEST_FLAG='2' must be a boolean"):
+        env_flag("VLLM_MEGAMOE_TEST_FLAG", False)
+    with pytest.raises(ValueError, match="must be a boolean"):
+        parse_flag("maybe")
+
+
+def test_lineinfo_and_the_epilogue_warpgroup_take_true_and_false(monkeypatch):
+    spec = jit.KernelSpec(source="sm90/mega_moe_kernel.cu", name="megamoe_sm90_fused")
+    root = pathlib.Path("/src")
+    monkeypatch.setenv("VLLM_MEGAMOE_JIT_LINEINFO", "true")  # was read as off before
+    assert "-lineinfo" in jit._common_options(spec, root)
+    monkeypatch.setenv("VLLM_MEGAMOE_JIT_LINEINFO", "no")
+    assert "-lineinfo" not in jit._common_options(spec, root)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "false")
+    assert not sm90_smem.has_epilogue_warpgroup("tma", 64)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "on")
+    assert sm90_smem.has_epilogue_warpgroup("tma", 64)
