@@ -1,5 +1,5 @@
 """The portable path's combine step on CUDA with Triton: the writes of the padded (CUDA-graph)
-mode, and (opt-in) the top-k reduce.
+mode, and the top-k reduce (VLLM_MEGAMOE_PORTABLE_REDUCE, `auto` by default: Triton where it imports).
 
 The padded mode has a fixed number of output rows (every pair a peer may send), most of them
 masked. Written with `index_put` per peer, every row goes to every peer's buffer (masked rows

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+from ..env_flags import parse_flag
+
 ENV_PREFIX = "VLLM_MEGAMOE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
@@ -60,12 +62,9 @@ def _text(v: Any) -> str:
 
 
 def _flag(v: Any) -> str:
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return "1"
-    if s in ("0", "false", "no", "off", ""):
+    if not str(v).strip():
         return "0"
-    raise ValueError("must be a boolean (1/0, true/false)")
+    return "1" if parse_flag(v) else "0"
 
 
 @dataclass(frozen=True)
@@ -90,18 +89,21 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         core_env=True),
     Key("fallback", _choice("portable", "error"), "portable",
         "When a GPU has no usable megamoe kernel for a layer: run the portable path (logged), "
-        "or fail at startup.", core_env=True),  # the SM100 path reads it from the environment
+        "or fail at startup (on SM100 without DeepGEMM only an explicit portable allows it).",
+        core_env=True),  # the SM100 path reads it from the environment
     Key("timeout_s", _positive_float, 60.0,
         "Seconds a rank waits at a buffer barrier before failing with the missing ranks.",
         core_env=True),
     Key("shm_dir", _text, "/dev/shm", "Directory of the CPU shared-memory buffer files.",
         core_env=True),
-    Key("cache_dir", _text, None, "Where compiled kernels are cached (default: the core's).",
+    Key("cache_dir", _text, None, "Where compiled kernels are cached (default: ~/.cache/vllm_megamoe/jit).",
         core_env=True),
     Key("csrc_dir", _text, None, "CUDA sources to JIT-compile (default: the packaged ones).",
         core_env=True),
-    Key("jit_compiler", _text, None, "JIT compiler choice of the core (see docs).", core_env=True),
-    Key("nvcc", _text, None, "nvcc binary for the JIT (see docs).", core_env=True),
+    Key("jit_compiler", _text, None, "JIT compiler: nvrtc, nvcc or auto (default: NVRTC when it loads, "
+        "else nvcc).", core_env=True),
+    Key("nvcc", _text, None, "nvcc binary for the JIT (default: nvcc on PATH, else "
+        "$CUDA_HOME / $CUDA_PATH / /usr/local/cuda bin/nvcc).", core_env=True),
     Key("jit_lineinfo", _flag, "0", "Compile kernels with line info (profiling).", core_env=True),
     Key("num_sms", _positive_int, None,
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
