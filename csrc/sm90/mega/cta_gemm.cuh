@@ -1,6 +1,6 @@
 // The whole K loop of one task in the shared-memory mainloops: the FP8 scale tables staged, the
 // first chunks issued, the loop that fits the build (mainloop_smem.cuh's swap-AB loops, or the
-// register-token loop of the 64-token FP8 prefill tiles), and the stream into the next task.
+// register-token loops of the 64- and 128-token FP8 prefill tiles), and the stream into the next task.
 #pragma once
 #include "k_loop_register_tokens.cuh"
 #include "mainloop_smem.cuh"
