@@ -1,9 +1,10 @@
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
-from vllm_megamoe import BarrierTimeoutError, ExpertWeights, MoEShape, SymmBuffer, portable
+from vllm_megamoe import BarrierTimeoutError, ExpertWeights, MegaMoEError, MoEShape, SymmBuffer, ops, portable
 from vllm_megamoe.launch import RankFailed, run_ranks
 
 from portable_cases import assert_rows, check_rank, make_case
@@ -108,6 +109,65 @@ def test_bad_input_is_rejected_before_communication():
         portable.mega_moe(x, idx, tw, big, buf)
     with pytest.raises(ValueError, match="x has hidden size"):
         portable.mega_moe(x[:, :128], idx, tw, weights, buf)
+    with pytest.raises(ValueError, match="weights.w13 is on meta but x is on cpu"):
+        portable.mega_moe(x, idx, tw, replace(weights, w13=weights.w13.to("meta")), buf)
+    for clamp in (-1.0, float("nan"), "7", True):
+        with pytest.raises(ValueError, match="activation_clamp=.* must be None or a number >= 0"):
+            portable.mega_moe(x, idx, tw, weights, buf, activation_clamp=clamp)
+    with pytest.raises(ValueError, match="must be a positive, finite number of seconds"):
+        SymmBuffer(SHAPE, 8, None, format="bf16", timeout_s=float("inf"))
+
+
+def test_kernel_layout_weights_must_be_contiguous():
+    weights, _ = make_case(SHAPE, "bf16", [8], "uniform", 1)
+    inter = ops.prepare_weights(weights, "sm90")
+    strided = inter.w13.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    with pytest.raises(ValueError, match="w13 .layout='interleaved'. must be contiguous"):
+        replace(inter, w13=strided)
+    replace(weights, w13=strided)  # the checkpoint layout is read through torch ops: any strides
+
+
+def test_timeout_variable_is_named(monkeypatch):
+    monkeypatch.setenv("VLLM_MEGAMOE_TIMEOUT_S", "abc")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_TIMEOUT_S='abc' must be a number of seconds"):
+        SymmBuffer(SHAPE, 8, None, format="bf16")
+
+
+def _rank_builds(rank, world, group, tokens, fmt):
+    try:
+        SymmBuffer(SHAPE, tokens[rank], group, format=fmt[rank])
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_ranks_with_different_buffers_are_refused():
+    """A rank whose buffer differs (tokens, format) would read and write the wrong offsets on its
+    peers: every rank refuses, naming what differs."""
+    for msg in run_ranks(_rank_builds, 2, ([16, 64], ["bf16", "bf16"]), timeout_s=120):
+        assert "ranks build different SymmBuffers" in msg
+        assert msg.endswith("Differing: max_tokens_per_rank (rank 0: 16, rank 1: 64)")
+    for msg in run_ranks(_rank_builds, 2, ([16, 16], ["bf16", "fp8-block"]), timeout_s=120):
+        assert msg.endswith("Differing: format (rank 0: 'bf16', rank 1: 'fp8-block')")
+    assert run_ranks(_rank_builds, 2, ([16, 16], ["bf16", "bf16"]), timeout_s=120) == ["built", "built"]
+
+
+def _rank_padded_over_bound(rank, world, group):
+    buf = SymmBuffer(SHAPE, 8, group, format="bf16")
+    weights, inputs = make_case(SHAPE, "bf16", [4, 8], "uniform", 3)
+    x, idx, tw = inputs[rank]
+    try:
+        portable.mega_moe(x, idx, tw, weights.experts(4 * rank, 4), buf, mode="padded")
+    except MegaMoEError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_eager_padded_call_raises_what_it_dropped():
+    """mode='padded' with a peer over the bound (its own token count): the rank that dropped the
+    peer's rows raises after the call instead of returning a wrong output."""
+    res = run_ranks(_rank_padded_over_bound, 2, timeout_s=120)
+    assert "max_peer_tokens" in res[0] and "dropped" in res[0]
 
 
 def test_zero_tokens_single_rank():

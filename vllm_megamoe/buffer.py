@@ -47,7 +47,11 @@ SHM_PREFIX = "vllm_megamoe-"
 
 
 def default_timeout_s() -> float:
-    return float(os.environ.get("VLLM_MEGAMOE_TIMEOUT_S", "60"))
+    raw = os.environ.get("VLLM_MEGAMOE_TIMEOUT_S", "60")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_MEGAMOE_TIMEOUT_S={raw!r} must be a number of seconds") from None
 
 
 def shm_dir() -> str:
@@ -73,7 +77,9 @@ class SymmBuffer:
         self.layout = BufferLayout(shape, self.num_ranks, max_tokens_per_rank, format,
                                    shared_expert=shared_expert, ring_rows=ring_rows)
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
-        require(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be positive")
+        require(0 < self.timeout_s < float("inf"), f"timeout_s={self.timeout_s} must be a positive, finite "
+                "number of seconds (VLLM_MEGAMOE_TIMEOUT_S)")
+        self._check_ranks_agree()
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend.startswith("cuda") else torch.device("cpu"))
         if backend == "auto":
@@ -97,6 +103,25 @@ class SymmBuffer:
                     backend, self.rank, self.num_ranks, self.layout.total_bytes / 2**20)
 
     # -- creation ----------------------------------------------------------------------------
+    def _check_ranks_agree(self) -> None:
+        """Every rank must build the same layout: a peer whose regions sit at other offsets reads
+        and writes the wrong bytes, which gives wrong outputs, not an error. One small collective
+        before anything is allocated; every rank raises the same message."""
+        if self.num_ranks == 1:
+            return
+        lay = self.layout
+        mine = {"hidden": lay.shape.hidden, "intermediate": lay.shape.intermediate,
+                "num_experts": lay.shape.num_experts, "topk": lay.shape.topk,
+                "max_tokens_per_rank": lay.max_tokens_per_rank, "format": lay.format,
+                "shared_expert": lay.shared_expert, "ring_rows": lay.ring_rows}
+        every = [None] * self.num_ranks
+        dist.all_gather_object(every, mine, group=self.group)
+        differ = [f"{key} ({', '.join(f'rank {r}: {d[key]!r}' for r, d in enumerate(every))})"
+                  for key in mine if any(d[key] != every[0][key] for d in every)]
+        require(not differ, "megamoe: the ranks build different SymmBuffers; every rank of the group "
+                "must pass the same shape, max_tokens_per_rank, format and options. Differing: "
+                + "; ".join(differ))
+
     def _create_local(self):
         buf = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         self._peer_buffers = [buf]

@@ -44,8 +44,12 @@ ERROR_STAGING_OVERFLOW = 2
 ERROR_BAD_EXPERT_ID = 4
 
 
-def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: SymmBuffer) -> MoEShape:
+def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: SymmBuffer,
+                  activation_clamp: Optional[float] = None) -> MoEShape:
     """Checks shared by every path; raises ValueError before any communication starts."""
+    c = activation_clamp
+    require(c is None or (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 0),
+            f"activation_clamp={c!r} must be None or a number >= 0 (gate <= c, -c <= up <= c)")
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float32, torch.float16), ndim=2)
     t, h = x.shape
     check_tensor("topk_idx", topk_idx, dtype=(torch.int32, torch.int64), ndim=2)
@@ -71,6 +75,12 @@ def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: Sym
             "smaller batches")
     require(x.device.type == buffer.device.type,
             f"x is on {x.device} but the SymmBuffer lives on {buffer.device}")
+    for name, tensor in (("topk_idx", topk_idx), ("topk_weights", topk_weights), ("weights.w13", weights.w13),
+                         ("weights.w2", weights.w2), ("weights.w13_scale", weights.w13_scale),
+                         ("weights.w2_scale", weights.w2_scale)):
+        require(tensor is None or tensor.device == x.device,
+                f"{name} is on {tensor.device if tensor is not None else None} but x is on {x.device}; "
+                "every input and the expert weights of a call live on one device")
     if t > 0 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         bad = (topk_idx < -1) | (topk_idx >= shape.num_experts)
         if bool(bad.any()):
@@ -297,7 +307,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     rank. mode: "exact", "padded" or "auto" (padded while a CUDA graph is being captured).
     """
     require(mode in MODES, f"mode={mode!r} must be one of {MODES}")
-    shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
+    shape = validate_call(x, topk_idx, topk_weights, weights, buffer, activation_clamp)
     require(weights.layout == "checkpoint" or not x.is_cuda,
             "the portable path on CUDA reads checkpoint-layout weights; convert them with "
             "ops.prepare_weights(weights, 'portable')")
@@ -318,4 +328,6 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         if bound > 0:
             _forward_padded(buffer, shape, weights, activation_clamp, bound)
     buffer.barrier("combine")
+    if mode == "padded" and not capturing:  # eager: raise what the device-side checks flagged
+        check_errors(buffer)                # (captured calls: check_errors after the replay)
     return _reduce(buffer, topk_idx, t, shape.hidden)

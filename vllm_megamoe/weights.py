@@ -66,6 +66,12 @@ class ExpertWeights:
         else:
             require(self.w13_scale is None and self.w2_scale is None,
                     "format='bf16' takes no scales; pass format='fp8-block' for quantized weights")
+        if self.layout == "interleaved":  # the kernels read the kernel layout by pointer
+            for name, t in (("w13", self.w13), ("w2", self.w2), ("w13_scale", self.w13_scale),
+                            ("w2_scale", self.w2_scale)):
+                require(t is None or t.is_contiguous(),
+                        f"{name} (layout='interleaved') must be contiguous: the kernels read it by pointer; "
+                        "pass .contiguous()")
 
     # -- construction ------------------------------------------------------------------------
     @classmethod

@@ -42,6 +42,9 @@ def test_bad_values_name_the_key(tmp_path):
         load_settings({"VLLM_MEGAMOE_MAX_TOKENS_PER_RANK": "-3"})
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_FALLBACK.*one of"):
         load_settings({"VLLM_MEGAMOE_FALLBACK": "maybe"})
+    for raw in ("inf", "1e400", "nan"):  # an endless barrier wait overflowed at buffer creation
+        with pytest.raises(ValueError, match=f"VLLM_MEGAMOE_TIMEOUT_S='{raw}'.*positive, finite"):
+            load_settings({"VLLM_MEGAMOE_TIMEOUT_S": raw})
     cfg = tmp_path / "list.yaml"
     cfg.write_text("- a\n")
     with pytest.raises(ValueError, match="expected a mapping"):

@@ -245,7 +245,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     that receives every CTA's phase timestamps (trace: a VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 build,
     whose rows also hold the chunk trace); grid_size(shape, buffer) gives the CTA count."""
     from ..portable import validate_call
-    shape = validate_call(x, topk_idx, topk_weights, weights, buffer)
+    shape = validate_call(x, topk_idx, topk_weights, weights, buffer, activation_clamp)
     ok, why = supports(shape, weights.format, buffer.num_ranks)
     require(ok, f"the SM90 mega kernel does not support this layer: {why}")
     require(x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9,

@@ -39,8 +39,8 @@ def _non_negative_int(v: Any) -> int:
 
 def _positive_float(v: Any) -> float:
     x = float(str(v).strip())
-    if not x > 0:
-        raise ValueError("must be a positive number")
+    if not 0 < x < float("inf"):
+        raise ValueError("must be a positive, finite number")
     return x
 
 
