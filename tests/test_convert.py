@@ -494,3 +494,146 @@ def test_inspect_json_fields(sources, tmp_path):
     assert "utccp" in format_inspection(info)
     src_info = inspect_checkpoint(src)
     assert src_info["megamoe"] is None and src_info["layers"][0]["dtype"] == "F8_E4M3"
+
+
+# -- malformed files and options: clear errors, never a traceback -----------------------------
+
+def _write_json(path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def test_config_json_not_an_object(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    make_checkpoint(src, "qwen", layers=2, shards=1)
+    _write_json(os.path.join(src, "config.json"), [1, 2])
+    message = "config.json must hold a JSON object"
+    with pytest.raises(ValueError, match=message):
+        convert_checkpoint(src, str(tmp_path / "out"), arch="sm90", **QUIET)
+    assert cli_main(["convert", src, str(tmp_path / "out"), "--arch", "sm90"]) == 2
+    assert message in capsys.readouterr().err
+    assert cli_main(["inspect", src]) == 2
+    assert message in capsys.readouterr().err
+    assert message in verify_checkpoint(src, **QUIET)[0]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_source_quantization_config_and_index_must_be_objects(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    make_checkpoint(src, "qwen", layers=2, shards=2)
+    config_path = os.path.join(src, "config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    _write_json(config_path, dict(config, quantization_config=[1]))
+    with pytest.raises(ValueError, match="'quantization_config' must be a JSON object, got a JSON array"):
+        convert_checkpoint(src, str(tmp_path / "out"), arch="sm90", **QUIET)
+    assert cli_main(["inspect", src]) == 2
+    assert "'quantization_config' must be a JSON object" in capsys.readouterr().err
+    _write_json(config_path, config)
+    _write_json(os.path.join(src, "model.safetensors.index.json"), {"weight_map": [1]})
+    with pytest.raises(ValueError, match="has no 'weight_map'; is it a safetensors index"):
+        convert_checkpoint(src, str(tmp_path / "out"), arch="sm90", **QUIET)
+
+
+def test_verify_reports_a_malformed_index(sources, tmp_path, capsys):
+    _, dst, index = _converted(sources, tmp_path)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    for bad, what in [({"weight_map": 5}, "'weight_map'"), ([1], "JSON object"),
+                      (dict(index, megamoe=[1]), "'megamoe'"),
+                      (dict(index, megamoe={"sha256": {"x.safetensors": 7}}), "'sha256'")]:
+        _write_json(index_path, bad)
+        problems = verify_checkpoint(dst, **QUIET)
+        assert len(problems) == 1 and "model.safetensors.index.json" in problems[0], problems
+        assert what in problems[0]
+        assert cli_main(["verify", dst]) == 1
+        assert what in capsys.readouterr().err
+
+
+def test_uncreatable_dst_exits_2(tmp_path, capsys, monkeypatch):
+    src = str(tmp_path / "src")
+    make_checkpoint(src, "mixtral", layers=2, shards=1)
+    open(tmp_path / "file", "w").close()
+    dst = str(tmp_path / "file" / "out")
+    with pytest.raises(ValueError, match="cannot create DST"):
+        convert_checkpoint(src, dst, arch="sm90", **QUIET)
+    assert cli_main(["convert", src, dst, "--arch", "sm90", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot create DST {dst}: ") and err.count("\n") == 1
+    assert str(tmp_path / "file") in err
+    # an OSError later on (here: writing a shard) is one line and exit 2 too
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(writer, "to_kernel_layout", failing)
+    assert cli_main(["convert", src, str(tmp_path / "out"), "--arch", "sm90"]) == 2
+    assert capsys.readouterr().err == "error: [Errno 28] No space left on device (injected)\n"
+    assert sorted(os.listdir(tmp_path)) == ["file", "src"]
+
+
+def test_marker_field_types(sources, tmp_path, capsys):
+    marker = {"format": "bf16", "arch": "sm90", "layout_version": 1}
+    for key, value in [("expert_modules", "model.layers.0.mlp.experts"),
+                       ("expert_modules", [1, 2]), ("arch", ["sm90"]), ("format", None),
+                       ("layout_version", "1")]:
+        with pytest.raises(ValueError, match=f"'megamoe' field {key!r} must be"):
+            read_megamoe_marker({"megamoe": dict(marker, **{key: value})})
+    _, dst, _ = _converted(sources, tmp_path)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["megamoe"]["expert_modules"] = "model.layers.1.mlp.experts"
+    _write_json(os.path.join(dst, "config.json"), config)
+    problems = verify_checkpoint(dst, **QUIET)
+    assert len(problems) == 1 and "'expert_modules' must be a list" in problems[0]
+    assert cli_main(["verify", dst]) == 1
+    assert "expert_modules" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["verify", "d", "--samples", "-1"], "--samples"),
+    (["convert", "s", "d", "--arch", "sm90", "--workers", "0"], "--workers"),
+    (["convert", "s", "d", "--arch", "sm90", "--workers", "-3"], "--workers"),
+    (["convert", "s", "d", "--arch", "sm90", "--max-shard-size", "0.0001"], "--max-shard-size"),
+    (["convert", "s", "d", "--arch", "sm90", "--max-shard-size", "lots"], "--max-shard-size"),
+])
+def test_cli_refuses_bad_counts_and_sizes(argv, option, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err and argv[-1] in err
+
+
+def test_python_api_refuses_bad_counts_and_sizes(sources, tmp_path):
+    src, _ = sources["qwen"]
+    dst = str(tmp_path / "out")
+    with pytest.raises(ValueError, match="max_shard_bytes must be at least 1 byte, got -5"):
+        convert_checkpoint(src, dst, arch="sm90", max_shard_bytes=-5, **QUIET)
+    for workers in (0, -3):
+        with pytest.raises(ValueError, match=f"workers must be at least 1, got {workers}"):
+            convert_checkpoint(src, dst, arch="sm90", workers=workers, **QUIET)
+    with pytest.raises(ValueError, match="size '0.0001' is 0 bytes"):
+        parse_size("0.0001")
+    with pytest.raises(ValueError, match="size -5 is -5 bytes; give at least 1 byte"):
+        parse_size(-5)
+    with pytest.raises(ValueError, match="samples must be at least 0, got -1"):
+        verify_checkpoint(src, samples=-1, **QUIET)
+    assert os.listdir(tmp_path) == []
+
+
+def test_to_kernel_layout_checks_sm90_inputs():
+    from vllm_megamoe.convert import to_kernel_layout
+    w13 = (torch.randn(2, 256, 256) * 0.05).to(quant.FP8_DTYPE)
+    w2 = (torch.randn(2, 256, 128) * 0.05).to(quant.FP8_DTYPE)
+    s2 = torch.ones(2, 2, 1)
+    for fmt in ("fp8-block", "bf16"):
+        with pytest.raises(ValueError, match="w13_scale_inv and w2_scale_inv"):
+            to_kernel_layout(w13, w2, arch="sm90", fmt=fmt)
+        with pytest.raises(ValueError, match="; w13_scale_inv not given"):
+            to_kernel_layout(w13, w2, arch="sm90", fmt=fmt, w2_scale_inv=s2)
+    for h, i, name in ((200, 128, "hidden=200"), (256, 100, "intermediate=100")):
+        w13 = torch.zeros(2, 2 * i, h, dtype=torch.bfloat16)
+        w2 = torch.zeros(2, h, i, dtype=torch.bfloat16)
+        for arch in ("sm90", "sm100"):
+            with pytest.raises(ValueError, match=f"{name}.*multiple.* of 128"):
+                to_kernel_layout(w13, w2, arch=arch, fmt="bf16")

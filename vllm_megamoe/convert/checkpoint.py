@@ -19,7 +19,8 @@ from typing import Optional
 from .discovery import CONFIG_FILE, INDEX_FILE, SourceCheckpoint, open_source
 from .layouts import LAYOUT_VERSION
 from .marker import build_marker, converted_config
-from .plan import DEFAULT_MAX_SHARD_BYTES, Plan, make_plan, non_expert_linear_modules
+from .plan import (DEFAULT_MAX_SHARD_BYTES, Plan, check_at_least, make_plan,
+                   non_expert_linear_modules)
 from .safetensors_io import sha256_file
 from .writer import DEFAULT_CHUNK_BYTES, PARTIAL_SUFFIX, write_shards
 
@@ -152,13 +153,18 @@ def convert_checkpoint(src: str, dst: str, *, arch: str, fmt: Optional[str] = No
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES, log=print) -> ConvertResult:
     """Convert the Hugging Face checkpoint at `src` into a megamoe checkpoint at `dst`."""
     start = time.perf_counter()
+    check_at_least("max_shard_bytes", max_shard_bytes, 1, " byte")
+    check_at_least("workers", workers, 1)
     source = open_source(src)
     plan = make_plan(source, arch, fmt, max_shard_bytes)
     dst = os.path.abspath(dst)
     _check_destination(source, dst, overwrite)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
     partial = partial_dir_for(dst)
-    state = _prepare_partial_dir(partial, plan.fingerprint(source), resume, log)
+    try:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        state = _prepare_partial_dir(partial, plan.fingerprint(source), resume, log)
+    except OSError as exc:
+        raise ValueError(f"cannot create DST {dst}: {exc}") from None
     resumed = len(state.done)
     try:
         digests = write_shards(plan, partial, workers=workers, chunk_bytes=chunk_bytes,

@@ -1,6 +1,7 @@
 """`vllm-megamoe convert | inspect | verify` (subcommands registered by vllm_megamoe.cli)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -24,19 +25,40 @@ def _fail(exc: Exception) -> int:
     return 2
 
 
+def _int_at_least(minimum: int):
+    """argparse type: a whole number >= minimum (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _size(text: str) -> int:
+    """argparse type of --max-shard-size: bytes, at least 1."""
+    from .plan import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run_convert(args) -> int:
     from .checkpoint import convert_checkpoint
-    from .plan import parse_size
     if threading_main():
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         result = convert_checkpoint(
             args.src, args.dst, arch=args.arch, fmt=args.format,
-            max_shard_bytes=parse_size(args.max_shard_size), workers=args.workers,
+            max_shard_bytes=args.max_shard_size, workers=args.workers,
             overwrite=args.overwrite, resume=args.resume,
             progress=not args.no_progress and sys.stderr.isatty() or args.progress,
             log=lambda msg: print(msg, file=sys.stderr))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input, or SRC unreadable / DST not writable
         return _fail(exc)
     except KeyboardInterrupt:
         print("conversion interrupted; DST was not written", file=sys.stderr)
@@ -81,7 +103,6 @@ def run_verify(args) -> int:
 
 def add_subcommands(sub) -> None:
     """Add convert / inspect / verify to an argparse subparsers object."""
-    import argparse
     p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint to the megamoe "
                        "kernel layout (offline, once)", epilog=CONVERT_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,9 +112,9 @@ def add_subcommands(sub) -> None:
                    help="GPU the checkpoint is for: sm90 (Hopper) or sm100 (Blackwell)")
     p.add_argument("--format", choices=("fp8-block", "bf16", "mxfp4"), default=None,
                    help="expert weight format (default: fp8-block on sm90, mxfp4 on sm100)")
-    p.add_argument("--max-shard-size", default="5GB",
+    p.add_argument("--max-shard-size", type=_size, default="5GB",
                    help="largest output shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
-    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+    p.add_argument("--workers", type=_int_at_least(1), default=min(16, os.cpu_count() or 1),
                    help="threads converting in parallel (default: CPUs, at most 16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--resume", action="store_true",
@@ -112,7 +133,7 @@ def add_subcommands(sub) -> None:
                        "with --source, bit equality of re-derived tensors")
     p.add_argument("dir")
     p.add_argument("--source", help="the original checkpoint, to re-derive sampled tensors")
-    p.add_argument("--samples", type=int, default=8,
+    p.add_argument("--samples", type=_int_at_least(0), default=8,
                    help="experts and non-expert tensors to re-derive (each; default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random sample")
     p.set_defaults(func=run_verify)

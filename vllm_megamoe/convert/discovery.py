@@ -136,14 +136,37 @@ class SourceCheckpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type ("array", "object", ...), for error messages."""
+    for kind, name in ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"),
+                       ((int, float), "number")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
 def load_json(path: str, what: str) -> dict:
+    """The JSON object in `path`; ValueError naming the file when it is missing, not JSON or
+    not an object."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            obj = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"{what} not found: {path}") from None
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object ({{...}}), got a JSON {json_type(obj)}")
+    return obj
+
+
+def quantization_config(config: dict, root: str) -> dict:
+    """config.json's "quantization_config" ({} when absent); ValueError when it is not an object."""
+    quant = config.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise ValueError(f"{os.path.join(root, CONFIG_FILE)}: 'quantization_config' must be a JSON "
+                         f"object, got a JSON {json_type(quant)}")
+    return quant
 
 
 def find_weight_files(root: str) -> list:
@@ -198,11 +221,11 @@ def open_source(root: str) -> SourceCheckpoint:
             tensors[name] = info
     index_path = os.path.join(root, INDEX_FILE)
     if os.path.exists(index_path):
-        for name, rel in load_json(index_path, "index")["weight_map"].items():
+        for name, rel in load_json(index_path, "index")["weight_map"].items():  # (checked by find_weight_files)
             if name not in tensors or tensors[name].file != os.path.join(root, rel):
                 raise ValueError(f"{INDEX_FILE} maps {name!r} to {rel}, which does not hold it")
     layers = discover_expert_layers(tensors, config)
-    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    block = quantization_config(config, root).get("weight_block_size")
     if any(layer.is_fp8 for layer in layers) and block is not None and list(block) != [128, 128]:
         raise ValueError(f"{root}: FP8 experts with weight_block_size {block}; megamoe needs "
                          "128x128 block scales")

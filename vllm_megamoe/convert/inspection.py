@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 
-from .discovery import CONFIG_FILE, INDEX_FILE, find_weight_files, load_json, open_source
+from .discovery import CONFIG_FILE, INDEX_FILE, find_weight_files, load_json, open_source, quantization_config
 from .marker import read_megamoe_marker
 from .safetensors_io import read_header
+from .verify import check_converted_index
 
 MXFP4_VALUES_PER_BYTE = 2
 
@@ -56,7 +57,7 @@ def inspect_checkpoint(root: str) -> dict:
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "config_hidden_size": cfg.get("hidden_size"),
         "top_k": _first(cfg, "num_experts_per_tok", "moe_topk", "top_k"),
-        "quantization": (config.get("quantization_config") or {}).get("quant_method"),
+        "quantization": quantization_config(config, root).get("quant_method"),
         "megamoe": marker,
         "bytes_on_disk": _dir_bytes(root),
     }
@@ -64,7 +65,9 @@ def inspect_checkpoint(root: str) -> dict:
     info["weight_files"] = len(weight_files)
     info["weight_bytes"] = sum(os.path.getsize(os.path.join(root, f)) for f in weight_files)
     if marker is not None:
-        index = load_json(os.path.join(root, INDEX_FILE), INDEX_FILE)
+        index_path = os.path.join(root, INDEX_FILE)
+        index = load_json(index_path, INDEX_FILE)
+        check_converted_index(index, index_path)
         info["checksummed_files"] = len((index.get("megamoe") or {}).get("sha256") or {})
         info["layers"] = _converted_layers(root, marker)
         info["layout"] = (f"{marker['arch']} {marker['format']}, gate/up interleaved x"

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .. import quant
-from ..shape import require
+from ..shape import CHANNEL_ALIGN, require
 from ..weights import WEIGHT_BLOCK, ExpertWeights, transform_weights_for_mega_moe
 
 LAYOUT_VERSION = 1
@@ -84,10 +84,23 @@ def tensor_specs(num_experts: int, hidden: int, intermediate: int, fmt: str) -> 
     raise ValueError(f"format {fmt!r} has no tensor layout; expected one of {sorted(SCALE_SUFFIX)}")
 
 
+def _require_scales(s13, s2) -> None:
+    missing = [name for name, s in (("w13_scale_inv", s13), ("w2_scale_inv", s2)) if s is None]
+    require(not missing, "FP8 expert weights need w13_scale_inv and w2_scale_inv (float32 "
+            f"128x128 block scales); {' and '.join(missing)} not given")
+
+
+def _check_sm90_sizes(w13, w2) -> None:
+    """sm90 runs hidden and intermediate sizes that are multiples of 128 (as sm100 does)."""
+    for name, size in (("hidden", w13.shape[2]), ("intermediate", w13.shape[1] // 2)):
+        require(size > 0 and size % CHANNEL_ALIGN == 0,
+                f"{name}={size} (w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}) must be a "
+                f"positive multiple of {CHANNEL_ALIGN} for sm90")
+
+
 def _float_weights(w13, w2, s13, s2):
     if w13.dtype == quant.FP8_DTYPE:
-        require(s13 is not None and s2 is not None,
-                "FP8 expert weights need w13_scale_inv and w2_scale_inv (128x128 block scales)")
+        _require_scales(s13, s2)
         return (quant.dequantize_fp8_blocks(w13, s13, WEIGHT_BLOCK),
                 quant.dequantize_fp8_blocks(w2, s2, WEIGHT_BLOCK))
     return w13, w2
@@ -103,7 +116,9 @@ def to_kernel_layout(w13: torch.Tensor, w2: torch.Tensor, *, arch: str, fmt: str
             f"{tuple(w2.shape)}")
     is_fp8 = w13.dtype == quant.FP8_DTYPE
     if arch == "sm90":
+        _check_sm90_sizes(w13, w2)
         if fmt == "fp8-block" and is_fp8:
+            _require_scales(w13_scale_inv, w2_scale_inv)
             weights = ExpertWeights("fp8-block", w13, w2, w13_scale_inv.float(),
                                     w2_scale_inv.float())
         else:

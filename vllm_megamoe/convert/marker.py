@@ -28,6 +28,10 @@ from .layouts import ARCH_FORMATS, LAYOUT_VERSION, MXFP4_GROUP, SCALE_SUFFIX, W2
 
 MARKER_KEY = "megamoe"
 REQUIRED_KEYS = ("format", "arch", "layout_version")
+# The types of the fields this version reads ("expert_modules" is optional).
+FIELD_TYPES = {"format": (str, "a string"), "arch": (str, "a string"),
+               "layout_version": (int, "an integer"),
+               "expert_modules": (list, "a list of module paths (strings)")}
 FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": list(WEIGHT_BLOCK)}
 
@@ -66,6 +70,7 @@ def read_megamoe_marker(config: dict) -> Optional[dict]:
     if missing:
         raise ValueError(f"config.json {MARKER_KEY!r} lacks {missing}; re-run `vllm-megamoe "
                          "convert` on the original checkpoint")
+    _check_field_types(marker)
     if marker["layout_version"] != LAYOUT_VERSION:
         raise ValueError(f"checkpoint was converted with megamoe layout_version="
                          f"{marker['layout_version']}; this vllm-megamoe {__version__} reads "
@@ -75,6 +80,20 @@ def read_megamoe_marker(config: dict) -> Optional[dict]:
         raise ValueError(f"config.json {MARKER_KEY!r} names arch={marker['arch']!r} "
                          f"format={marker['format']!r}, which this version does not know")
     return marker
+
+
+def _check_field_types(marker: dict) -> None:
+    for key, (kind, what) in FIELD_TYPES.items():
+        if key not in marker:
+            continue
+        value = marker[key]
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+        if ok and kind is list:
+            ok = all(isinstance(m, str) for m in value)
+        if not ok:
+                raise ValueError(f"config.json {MARKER_KEY!r} field {key!r} must be {what}, got "
+                             f"{value!r}; re-run `vllm-megamoe convert` on the original "
+                             "checkpoint")
 
 
 def check_marker_matches(marker: dict, arch: str, fmt: Optional[str] = None) -> None:

@@ -23,17 +23,28 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
+def check_at_least(name: str, value, minimum: int, unit: str = "") -> None:
+    """ValueError naming the argument unless `value` is a whole number >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}{unit}, got {value!r}")
+
+
 def parse_size(text) -> int:
-    """'5GB' -> 5e9, '500MiB' -> 500*2**20, '1234' -> 1234 bytes."""
+    """'5GB' -> 5e9, '500MiB' -> 500*2**20, '1234' -> 1234 bytes; at least 1 byte."""
     if isinstance(text, int):
-        return text
-    m = SIZE_RE.match(str(text))
-    if not m or float(m[1]) <= 0:
-        raise ValueError(f"size {text!r} is not understood; write e.g. 5GB, 500MB, 2GiB or a "
-                         "number of bytes")
-    power = "KMGT".find(m[2].upper()) + 1 if m[2] else 0
-    base = 1024 if m[3] else 1000
-    return int(float(m[1]) * base ** power)
+        size = text
+    else:
+        m = SIZE_RE.match(str(text))
+        if not m:
+            raise ValueError(f"size {text!r} is not understood; write e.g. 5GB, 500MB, 2GiB or "
+                             "a number of bytes")
+        power = "KMGT".find(m[2].upper()) + 1 if m[2] else 0
+        base = 1024 if m[3] else 1000
+        size = int(float(m[1]) * base ** power)
+    if size < 1:
+        raise ValueError(f"size {text!r} is {size} bytes; give at least 1 byte, e.g. 5GB, 500MB, "
+                         "2GiB or a positive number of bytes")
+    return size
 
 
 @dataclass

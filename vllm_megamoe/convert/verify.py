@@ -7,10 +7,10 @@ import os
 import random
 from typing import Optional
 
-from .discovery import CONFIG_FILE, INDEX_FILE, load_json, natural_key, open_source
+from .discovery import CONFIG_FILE, INDEX_FILE, json_type, load_json, natural_key, open_source
 from .layouts import tensor_specs
 from .marker import read_megamoe_marker
-from .plan import CopyUnit, ExpertUnit, make_plan
+from .plan import CopyUnit, ExpertUnit, check_at_least, make_plan
 from .safetensors_io import (COPY_CHUNK_BYTES, TensorInfo, read_header, read_tensor,
                              sha256_file, tensor_bytes)
 from .writer import convert_expert_chunk
@@ -41,6 +41,29 @@ def _same_bytes(a: TensorInfo, b: TensorInfo) -> Optional[int]:
         os.close(fa)
         os.close(fb)
     return None
+
+
+def _check_str_map(value, where: str, what: str) -> None:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        got = (f"a JSON {json_type(value)}" if not isinstance(value, dict) else
+               "an object with non-string values")
+        raise ValueError(f"{where} must map {what}, got {got}; convert again")
+
+
+def check_converted_index(index: dict, path: str) -> None:
+    """ValueError naming `path` (the index file) unless `index` has the structure `vllm-megamoe
+    convert` writes: weight_map {tensor: shard file}, megamoe.sha256 {shard file: digest}."""
+    _check_str_map(index.get("weight_map"), f"{path} ['weight_map']",
+                   "tensor names to shard file names")
+    megamoe = index.get("megamoe")
+    if megamoe is None:
+        return
+    if not isinstance(megamoe, dict):
+        raise ValueError(f"{path} ['megamoe'] must be an object, got a JSON {json_type(megamoe)}; "
+                         "convert again")
+    if megamoe.get("sha256") is not None:
+        _check_str_map(megamoe["sha256"], f"{path} ['megamoe']['sha256']",
+                       "shard file names to sha256 hex digests")
 
 
 def check_files(root: str, index: dict, problems: list) -> dict:
@@ -139,6 +162,7 @@ def check_against_source(source_dir: str, marker: dict, tensors: dict, samples: 
 def verify_checkpoint(path: str, source: Optional[str] = None, samples: int = 8,
                       seed: int = 0, log=print) -> list:
     """Problems found in the converted checkpoint at `path` (empty: it passed)."""
+    check_at_least("samples", samples, 0)
     problems: list = []
     try:
         config = load_json(os.path.join(path, CONFIG_FILE), "config.json")
@@ -146,7 +170,9 @@ def verify_checkpoint(path: str, source: Optional[str] = None, samples: int = 8,
         if marker is None:
             return [f"{path}/{CONFIG_FILE} has no 'megamoe' entry: not a checkpoint written by "
                     "`vllm-megamoe convert`"]
-        index = load_json(os.path.join(path, INDEX_FILE), INDEX_FILE)
+        index_path = os.path.join(path, INDEX_FILE)
+        index = load_json(index_path, INDEX_FILE)
+        check_converted_index(index, index_path)
     except ValueError as exc:
         return [str(exc)]
     tensors = check_files(path, index, problems)
