@@ -39,3 +39,14 @@ def test_lineinfo_and_the_epilogue_warpgroup_take_true_and_false(monkeypatch):
     assert not sm90_smem.has_epilogue_warpgroup("tma", 64)
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "on")
     assert sm90_smem.has_epilogue_warpgroup("tma", 64)
+
+
+def test_path_variable_is_read_as_the_plugin_reads_it(monkeypatch):
+    """The plugin accepts ' Portable ' for VLLM_MEGAMOE_PATH (case and spaces ignored); the core
+    used to refuse it on the first call."""
+    from vllm_megamoe import MoEShape, ops
+    monkeypatch.setenv("VLLM_MEGAMOE_PATH", " Portable ")
+    assert ops.select_path(MoEShape(256, 128, 8, 2), "bf16", "cpu")[0] == "portable"
+    monkeypatch.setenv("VLLM_MEGAMOE_PATH", "fast")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PATH='fast' must be one of"):
+        ops.select_path(MoEShape(256, 128, 8, 2), "bf16", "cpu")

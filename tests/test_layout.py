@@ -89,9 +89,19 @@ def test_memory_grows_as_documented():
     (dict(shape=MoEShape(128, 128, 146, 2), num_ranks=73), "num_ranks=73"),
     (dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
     (dict(format="fp4"), "format='fp4'"),
+    (dict(shape=MoEShape(256.0, 128, 8, 2)), "hidden=256.0 must be an integer"),
+    (dict(shape=MoEShape(128, 128, 8, True)), "topk=True must be an integer"),
+    (dict(max_tokens_per_rank=1.5), "max_tokens_per_rank=1.5 must be an integer"),
+    (dict(max_tokens_per_rank="16"), "max_tokens_per_rank='16' must be an integer"),
 ])
 def test_layout_bad_input(kwargs, match):
     args = dict(shape=MoEShape(128, 128, 8, 2), num_ranks=2, max_tokens_per_rank=16)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         BufferLayout(**args)
+
+
+def test_numpy_integers_are_sizes_too():
+    import numpy as np
+    lay = BufferLayout(MoEShape(np.int64(128), 128, 8, 2), 2, np.int32(16))
+    assert lay.total_bytes == BufferLayout(MoEShape(128, 128, 8, 2), 2, 16).total_bytes

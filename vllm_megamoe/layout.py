@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from .shape import MoEShape, check_format, require
+from .shape import MoEShape, check_format, check_int, require
 
 ALIGN_BYTES = 128
 TOKEN_ALIGN = 8  # max tokens per rank is rounded up to this
@@ -109,6 +109,7 @@ class BufferLayout:
     def __post_init__(self):
         self.shape.validate(self.num_ranks)
         check_format(self.format)
+        check_int("max_tokens_per_rank", self.max_tokens_per_rank)
         require(self.max_tokens_per_rank >= 1,
                 f"max_tokens_per_rank={self.max_tokens_per_rank} must be at least 1")
         require(self.ring_rows is None or self.ring_rows >= 1,

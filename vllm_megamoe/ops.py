@@ -27,7 +27,7 @@ PATHS = ("portable", "sm90", "sm100")
 def select_path(shape: MoEShape, fmt: str, device, num_ranks: int = 1) -> tuple[str, str]:
     """(path, reason) for a layer of `shape` in format `fmt` on `device` with `num_ranks` EP ranks."""
     device = torch.device(device)
-    forced = os.environ.get("VLLM_MEGAMOE_PATH", "auto")
+    forced = os.environ.get("VLLM_MEGAMOE_PATH", "auto").strip().lower() or "auto"  # as the plugin reads it
     require(forced in PATHS + ("auto",),
             f"VLLM_MEGAMOE_PATH={forced!r} must be one of {PATHS + ('auto',)}")
     if device.type != "cuda":

@@ -5,6 +5,7 @@ inputs with the same message.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,12 @@ def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) when condition is false."""
     if not condition:
         raise ValueError(message)
+
+
+def check_int(name: str, value) -> None:
+    """An integer (numpy's too), not a bool, float or string: sizes are counts."""
+    require(isinstance(value, numbers.Integral) and not isinstance(value, bool),
+            f"{name}={value!r} must be an integer")
 
 
 def check_multiple(name: str, value: int, multiple: int) -> None:
@@ -65,6 +72,9 @@ class MoEShape:
     topk: int
 
     def validate(self, num_ranks: int = 1) -> "MoEShape":
+        for name, value in (("hidden", self.hidden), ("intermediate", self.intermediate),
+                            ("num_experts", self.num_experts), ("topk", self.topk), ("num_ranks", num_ranks)):
+            check_int(name, value)
         check_multiple("hidden", self.hidden, CHANNEL_ALIGN)
         check_multiple("intermediate", self.intermediate, CHANNEL_ALIGN)
         require(self.num_experts > 0, f"num_experts={self.num_experts} must be positive")

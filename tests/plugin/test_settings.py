@@ -42,6 +42,8 @@ def test_bad_values_name_the_key(tmp_path):
         load_settings({"VLLM_MEGAMOE_MAX_TOKENS_PER_RANK": "-3"})
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_FALLBACK.*one of"):
         load_settings({"VLLM_MEGAMOE_FALLBACK": "maybe"})
+    with pytest.raises(ValueError, match=r"VLLM_MEGAMOE_SM90_STAGES='99'.*integer in \[2, 8\]"):
+        load_settings({"VLLM_MEGAMOE_SM90_STAGES": "99"})
     for raw in ("inf", "1e400", "nan"):  # an endless barrier wait overflowed at buffer creation
         with pytest.raises(ValueError, match=f"VLLM_MEGAMOE_TIMEOUT_S='{raw}'.*positive, finite"):
             load_settings({"VLLM_MEGAMOE_TIMEOUT_S": raw})

@@ -30,6 +30,15 @@ def _positive_int(v: Any) -> int:
     return n
 
 
+def _int_in(low: int, high: int) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        n = int(str(v).strip())
+        if not low <= n <= high:
+            raise ValueError(f"must be an integer in [{low}, {high}]")
+        return n
+    return parse
+
+
 def _non_negative_int(v: Any) -> int:
     n = int(str(v).strip())
     if n < 0:
@@ -130,7 +139,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("sm90_tuning", _text, None,
         "YAML tuning table of the SM90 kernel (default: the packaged configs/sm90_mega_moe.yaml).",
         core_env=True),
-    Key("sm90_stages", _positive_int, None,
+    Key("sm90_stages", _int_in(2, 8), None,
         "Pipeline depth of the SM90 kernel's shared-memory mainloops (2-8; default from the tuning "
         "table, else 4).", core_env=True),
     Key("sm90_epilogue_warpgroup", _flag, None,
