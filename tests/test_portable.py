@@ -239,3 +239,27 @@ def test_portable_kernel_settings_are_checked(monkeypatch, var, default):
     monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "cub")
     with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_REDUCE='cub' must be one of"):
         portable_combine.reduce_setting()
+
+
+def _rank_with_shm_dir(rank, world, group, bad_dir):
+    if rank == 1:
+        os.environ["VLLM_MEGAMOE_SHM_DIR"] = bad_dir
+    try:
+        SymmBuffer(SHAPE, 8, group, format="bf16", timeout_s=5)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_a_rank_without_its_shm_dir_stops_every_rank(tmp_path):
+    """One rank's missing VLLM_MEGAMOE_SHM_DIR is raised on both ranks (the peer does not wait in
+    a collective), naming the variable and the rank."""
+    missing = str(tmp_path / "missing")
+    for msg in run_ranks(_rank_with_shm_dir, 2, (missing,), timeout_s=120):
+        assert msg == (f"megamoe: SymmBuffer not created: rank 1: VLLM_MEGAMOE_SHM_DIR={missing!r} is not "
+                       "a directory (the CPU buffer's shared-memory files live there)")
+
+
+def test_from_float_refuses_integer_weights():
+    with pytest.raises(ValueError, match="w13 has dtype torch.int64"):
+        ExpertWeights.from_float(torch.ones(8, 256, 256, dtype=torch.int64), torch.ones(8, 256, 128), "bf16")

@@ -58,6 +58,13 @@ def shm_dir() -> str:
     return os.environ.get("VLLM_MEGAMOE_SHM_DIR", "/dev/shm")
 
 
+def shm_dir_problem() -> Optional[str]:
+    """Why the CPU buffer's files cannot go to shm_dir(), or None."""
+    path = shm_dir()
+    return None if os.path.isdir(path) else (f"VLLM_MEGAMOE_SHM_DIR={path!r} is not a directory (the CPU "
+                                             "buffer's shared-memory files live there)")
+
+
 class SymmBuffer:
     """The per-worker symmetric buffer (see module docstring).
 
@@ -79,7 +86,6 @@ class SymmBuffer:
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         require(0 < self.timeout_s < float("inf"), f"timeout_s={self.timeout_s} must be a positive, finite "
                 "number of seconds (VLLM_MEGAMOE_TIMEOUT_S)")
-        self._check_ranks_agree()
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend.startswith("cuda") else torch.device("cpu"))
         if backend == "auto":
@@ -92,6 +98,8 @@ class SymmBuffer:
         require(backend != "cpu" or self.device.type == "cpu",
                 f"backend='cpu' keeps the buffer in host shared memory; got device={self.device}")
         self.backend = backend
+        # a local problem is raised on every rank: a peer would otherwise wait in the next collective
+        self._check_ranks_agree(shm_dir_problem() if backend == "cpu" else None)
         self._handle = None
         self._shm_path: Optional[str] = None
         self._peer_buffers: list[torch.Tensor] = []
@@ -103,11 +111,13 @@ class SymmBuffer:
                     backend, self.rank, self.num_ranks, self.layout.total_bytes / 2**20)
 
     # -- creation ----------------------------------------------------------------------------
-    def _check_ranks_agree(self) -> None:
+    def _check_ranks_agree(self, problem: Optional[str] = None) -> None:
         """Every rank must build the same layout: a peer whose regions sit at other offsets reads
         and writes the wrong bytes, which gives wrong outputs, not an error. One small collective
-        before anything is allocated; every rank raises the same message."""
+        before anything is allocated; every rank raises the same message, also for a `problem`
+        one rank found on its own (e.g. its shared-memory directory)."""
         if self.num_ranks == 1:
+            require(problem is None, f"megamoe: {problem}")
             return
         lay = self.layout
         mine = {"hidden": lay.shape.hidden, "intermediate": lay.shape.intermediate,
@@ -115,7 +125,10 @@ class SymmBuffer:
                 "max_tokens_per_rank": lay.max_tokens_per_rank, "format": lay.format,
                 "shared_expert": lay.shared_expert, "ring_rows": lay.ring_rows}
         every = [None] * self.num_ranks
-        dist.all_gather_object(every, mine, group=self.group)
+        dist.all_gather_object(every, (mine, problem), group=self.group)
+        problems = [f"rank {r}: {why}" for r, (_, why) in enumerate(every) if why is not None]
+        require(not problems, "megamoe: SymmBuffer not created: " + "; ".join(problems))
+        every = [d for d, _ in every]
         differ = [f"{key} ({', '.join(f'rank {r}: {d[key]!r}' for r, d in enumerate(every))})"
                   for key in mine if any(d[key] != every[0][key] for d in every)]
         require(not differ, "megamoe: the ranks build different SymmBuffers; every rank of the group "

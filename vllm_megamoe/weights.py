@@ -78,6 +78,8 @@ class ExpertWeights:
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, format: str) -> "ExpertWeights":
         """Quantize float weights in checkpoint layout into `format`."""
         check_format(format)
+        for name, t in (("w13", w13), ("w2", w2)):  # an integer tensor would be cast silently
+            check_tensor(name, t, dtype=(torch.float32, torch.bfloat16, torch.float16))
         if format == "bf16":
             return cls("bf16", w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous())
         q13, s13 = quant.quantize_fp8_blocks(w13, WEIGHT_BLOCK)
