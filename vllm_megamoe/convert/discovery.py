@@ -221,7 +221,8 @@ def open_source(root: str) -> SourceCheckpoint:
             tensors[name] = info
     index_path = os.path.join(root, INDEX_FILE)
     if os.path.exists(index_path):
-        for name, rel in load_json(index_path, "index")["weight_map"].items():  # (checked by find_weight_files)
+        # (find_weight_files has checked that weight_map is a non-empty object)
+        for name, rel in load_json(index_path, "index")["weight_map"].items():
             if name not in tensors or tensors[name].file != os.path.join(root, rel):
                 raise ValueError(f"{INDEX_FILE} maps {name!r} to {rel}, which does not hold it")
     layers = discover_expert_layers(tensors, config)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 
-from .discovery import CONFIG_FILE, INDEX_FILE, find_weight_files, load_json, open_source, quantization_config
+from .discovery import CONFIG_FILE, find_weight_files, load_json, open_source, quantization_config
 from .marker import read_megamoe_marker
 from .safetensors_io import read_header
-from .verify import check_converted_index
+from .verify import load_converted_index
 
 MXFP4_VALUES_PER_BYTE = 2
 
@@ -65,9 +65,7 @@ def inspect_checkpoint(root: str) -> dict:
     info["weight_files"] = len(weight_files)
     info["weight_bytes"] = sum(os.path.getsize(os.path.join(root, f)) for f in weight_files)
     if marker is not None:
-        index_path = os.path.join(root, INDEX_FILE)
-        index = load_json(index_path, INDEX_FILE)
-        check_converted_index(index, index_path)
+        index = load_converted_index(root)
         info["checksummed_files"] = len((index.get("megamoe") or {}).get("sha256") or {})
         info["layers"] = _converted_layers(root, marker)
         info["layout"] = (f"{marker['arch']} {marker['format']}, gate/up interleaved x"

@@ -91,7 +91,7 @@ def _check_field_types(marker: dict) -> None:
         if ok and kind is list:
             ok = all(isinstance(m, str) for m in value)
         if not ok:
-                raise ValueError(f"config.json {MARKER_KEY!r} field {key!r} must be {what}, got "
+            raise ValueError(f"config.json {MARKER_KEY!r} field {key!r} must be {what}, got "
                              f"{value!r}; re-run `vllm-megamoe convert` on the original "
                              "checkpoint")
 

@@ -50,6 +50,14 @@ def _check_str_map(value, where: str, what: str) -> None:
         raise ValueError(f"{where} must map {what}, got {got}; convert again")
 
 
+def load_converted_index(root: str) -> dict:
+    """The index of the converted checkpoint at `root`, checked by check_converted_index."""
+    path = os.path.join(root, INDEX_FILE)
+    index = load_json(path, INDEX_FILE)
+    check_converted_index(index, path)
+    return index
+
+
 def check_converted_index(index: dict, path: str) -> None:
     """ValueError naming `path` (the index file) unless `index` has the structure `vllm-megamoe
     convert` writes: weight_map {tensor: shard file}, megamoe.sha256 {shard file: digest}."""
@@ -170,9 +178,7 @@ def verify_checkpoint(path: str, source: Optional[str] = None, samples: int = 8,
         if marker is None:
             return [f"{path}/{CONFIG_FILE} has no 'megamoe' entry: not a checkpoint written by "
                     "`vllm-megamoe convert`"]
-        index_path = os.path.join(path, INDEX_FILE)
-        index = load_json(index_path, INDEX_FILE)
-        check_converted_index(index, index_path)
+        index = load_converted_index(path)
     except ValueError as exc:
         return [str(exc)]
     tensors = check_files(path, index, problems)
