@@ -22,7 +22,7 @@ from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
 from .phase_clock import TRACE_TASK as DEFAULT_TRACE_TASK
 from .sm90_smem import SMEM_PER_BLOCK, TILE_ROWS, has_epilogue_warpgroup, mainloop_smem_bytes, static_smem_bytes
-from .sm90_tuning import TMA_MAINLOOPS, WGMMA_MAINLOOPS, Choice
+from .sm90_tuning import TMA_MAINLOOPS, Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
 ENTRY = "megamoe_sm90_fused"
