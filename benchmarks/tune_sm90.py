@@ -106,6 +106,8 @@ def main(argv=None) -> int:
                     help="how much faster than the heuristic's mainloop and depth another build must be")
     args = ap.parse_args(argv)
     import yaml
+
+    from vllm_megamoe.strict_yaml import load_strict_yaml
     probes = []
     for path in args.probes:
         with open(path) as f:
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
     existing = None
     if os.path.exists(args.out):
         with open(args.out) as f:
-            existing = yaml.safe_load(f)
+            existing = load_strict_yaml(f)
     doc = table(probes, existing, args.max_err, args.min_gain)
     parse_table(doc, "the generated table")  # never write a table the op would refuse
     sources = ", ".join(f"{os.path.relpath(p)} (commit {probe['env'].get('commit') or '?'})"

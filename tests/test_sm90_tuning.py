@@ -165,6 +165,16 @@ def test_bad_settings_are_named(clean_env, tmp_path):
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match="is not a file"):
         tu.choose(V4, "fp8-block", 2, 8)
+    twice = tmp_path / "twice.yaml"  # a repeated key: plain YAML would keep the second silently
+    twice.write_text("version: 1\nentries: []\nentries: [{}]\n")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(twice))
+    with pytest.raises(ValueError, match="(?s)twice.yaml: not valid YAML.*'entries' appears twice"):
+        tu.choose(V4, "fp8-block", 2, 8)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("version: [1\n")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(broken))
+    with pytest.raises(ValueError, match="broken.yaml: not valid YAML"):
+        tu.choose(V4, "fp8-block", 2, 8)
 
 
 def test_tuning_script_buckets_the_fastest_correct_build():

@@ -259,6 +259,13 @@ def test_topk_ids_int32_and_int64_one_gpu():
     torch.cuda.synchronize()
     with pytest.raises(MegaMoEError, match="outside"):
         portable.check_errors(buf)
+    for bad_id in (-(2 ** 40), shape.num_experts + 3):  # below int's range; in int's range, past E
+        static[1].copy_(idx)
+        static[1][5, 1] = bad_id
+        graph.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(MegaMoEError, match="outside"):
+            portable.check_errors(buf)
     buf.destroy()
 
 

@@ -47,6 +47,13 @@ def test_bad_values_name_the_key(tmp_path):
     for raw in ("inf", "1e400", "nan"):  # an endless barrier wait overflowed at buffer creation
         with pytest.raises(ValueError, match=f"VLLM_MEGAMOE_TIMEOUT_S='{raw}'.*positive, finite"):
             load_settings({"VLLM_MEGAMOE_TIMEOUT_S": raw})
+    cfg = tmp_path / "twice.yaml"  # YAML keeps a repeated key's last value without a word
+    cfg.write_text("max_tokens_per_rank: 512\nfallback: error\nmax_tokens_per_rank: 64\n")
+    with pytest.raises(ValueError, match="(?s)not valid YAML.*'max_tokens_per_rank' appears twice.*line 1"):
+        load_settings({CONFIG_ENV: str(cfg)})
+    cfg.write_text("max-tokens-per-rank: 512\nmax_tokens_per_rank: 64\n")  # one key, two spellings
+    with pytest.raises(ValueError, match="max_tokens_per_rank is set twice.*'max-tokens-per-rank'"):
+        load_settings({CONFIG_ENV: str(cfg)})
     cfg = tmp_path / "list.yaml"
     cfg.write_text("- a\n")
     with pytest.raises(ValueError, match="expected a mapping"):

@@ -187,11 +187,13 @@ def _closest(name: str, known) -> str:
 def _read_yaml(path: str) -> dict:
     try:
         import yaml
+
+        from ..strict_yaml import load_strict_yaml
     except ImportError as e:  # PyYAML is a dependency of vllm and of this package
         raise ValueError(f"{CONFIG_ENV}={path}: reading it needs PyYAML (pip install pyyaml)") from e
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = load_strict_yaml(f)
     except OSError as e:
         raise ValueError(f"{CONFIG_ENV}={path}: cannot read the file ({e.strerror})") from e
     except yaml.YAMLError as e:
@@ -218,6 +220,7 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, *, export: bool =
                              f"known: {sorted(known_env) + [CONFIG_ENV]}")
 
     file_values: dict[str, Any] = {}
+    first_spelling: dict[str, Any] = {}
     path = env.get(CONFIG_ENV)
     if path:
         for raw_key, value in _read_yaml(path).items():
@@ -225,7 +228,9 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, *, export: bool =
             if key not in KEYS:
                 raise ValueError(f"{path}: unknown key {raw_key!r}{_closest(key, KEYS)}; known "
                                  f"keys: {sorted(KEYS)}")
-            file_values[key] = value
+            if key in file_values:  # e.g. max-tokens-per-rank and max_tokens_per_rank
+                raise ValueError(f"{path}: {key} is set twice (as {first_spelling[key]!r} and {raw_key!r})")
+            file_values[key], first_spelling[key] = value, raw_key
 
     values, sources = {}, {}
     for key in KEYS.values():

@@ -85,9 +85,9 @@ MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
     bool bad = false;
 #pragma unroll
     for (u32 slot = 0; slot < kTopk; ++slot) {
-      if (p.topk_idx_int64) {  // an id outside int's range is as bad as one outside [-1, E)
+      if (p.topk_idx_int64) {  // an id outside int's range becomes -2: refused below with the rest
         const long long id = static_cast<const long long*>(p.topk_idx)[token * kTopk + slot];
-        expert[slot] = id < -1 || id >= static_cast<long long>(kNumExperts) ? -2 : static_cast<int>(id);
+        expert[slot] = id == static_cast<int>(id) ? static_cast<int>(id) : -2;
       } else {
         expert[slot] = static_cast<const int*>(p.topk_idx)[token * kTopk + slot];
       }
