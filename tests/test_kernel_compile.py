@@ -257,6 +257,9 @@ def test_fp8_128_token_tiles_need_tma(monkeypatch):
         sm90_mega_moe.kernel_spec(shape, _Buf())
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     assert str(dict(sm90_mega_moe.kernel_spec(shape, _Buf()).defines)["MEGAMOE_TILE_TOKENS"]) == "128"
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_STAGES", "2")  # the register-token loop needs 3 or more
+    with pytest.raises(ValueError, match="FP8 128-token tiles need 3 or more stages"):
+        sm90_mega_moe.kernel_spec(shape, _Buf())
 
 
 @pytest.mark.parametrize("var,good,define,value,bad", [

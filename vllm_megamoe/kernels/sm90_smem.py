@@ -33,11 +33,13 @@ def has_epilogue_warpgroup(mainloop: str, tile_tokens: int) -> bool:
 
 def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg") -> int:
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
-    ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale)
+    ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale;
+    none in the 128-token builds, which keep them in the mainloop's token-scale table)
     and, unless it lives in a mainloop stage, its tile (epilogue_tile.cuh EpilogueSmem), and 1 KB
     of headroom (the task queue's, the hand-off header's and the phase clock's few words among it)."""
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks) * 4
-    epilogue = (8 + 2) * tile_tokens * 4
+    # the 128-token builds keep the per-token tables in the mainloop's token-scale table
+    epilogue = 0 if tile_tokens == 128 else (8 + 2) * tile_tokens * 4
     if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS or has_epilogue_warpgroup(mainloop, tile_tokens):
         epilogue += min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
     return table + epilogue + 1024
@@ -46,10 +48,12 @@ def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int =
 def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", tile_tokens: int = 32) -> int:
     """sizeof(MainloopSmem) plus alignment slack: the cp.async stages (rows padded to 144 bytes,
     or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
-    one task. The kernel static_asserts the same number."""
+    one task (the weight scales once per warp, once in all in the 128-token builds). The kernel
+    static_asserts the same number."""
     max_kblocks = max(shape.hidden, shape.intermediate) // 128
     row, align = (128, 1024) if variant in WGMMA_MAINLOOPS else (144, 16)
-    struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + 8 * 2) * max_kblocks * 4
+    w_scale_copies = 1 if tile_tokens == 128 else 8  # one per warp but in the 128-token builds
+    struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + w_scale_copies * 2) * max_kblocks * 4
     if variant in TMA_MAINLOOPS:
         struct += 8 * stages  # one mbarrier per stage
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment

@@ -29,10 +29,19 @@ struct HandoffHeader {
   u32 num_rows;   // its rows (<= kTileTokens)
 };
 
+// The L1 epilogue's per-token tables (EpilogueTables below). 128-token builds: in the finished
+// task's token-scale table of the mainloop (read by its K loop only; the next task stores into it
+// after the epilogue's last barrier), 5 KB of static shared memory that buy the DeepSeek-V3-like
+// 128-token build a 4th stage; there amax has two rows (warpgroups: the register-token maps).
+#define MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP (MEGAMOE_TILE_TOKENS == 128)
+constexpr u32 kAmaxRows = MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP ? 2 : kNumMmaWarps;
+
 struct EpilogueSmem {
-  float amax[kNumMmaWarps][kTileTokens];  // L1 FP8: each warp's amax per token (before the top-k weight)
+#if !MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP
+  float amax[kAmaxRows][kTileTokens];  // L1 FP8: each warp's amax per token (before the top-k weight)
   float weight[kTileTokens];           // L1: the top-k weight of each token row
   float inv_scale[kTileTokens];        // L1 FP8: 1 / the token's requantization scale
+#endif
 #if !MEGAMOE_EPILOGUE_IN_STAGE
   alignas(16) u8 tile[kEpilogueTileBytes];
 #endif
@@ -40,6 +49,25 @@ struct EpilogueSmem {
   u64 tile_full;          // the MMA warpgroups' threads arrive once the tile and header are written
   u64 tile_empty;         // the epilogue warpgroup's threads arrive once they are done reading it
 };
+
+struct EpilogueTables {
+  float (*amax)[kTileTokens];  // [kAmaxRows][kTileTokens]: L1 FP8, a warp's (warpgroup's) amax per token
+  float* weight;               // [kTileTokens]: L1, the top-k weight of each token row
+  float* inv_scale;            // [kTileTokens]: L1 FP8, 1 / the token's requantization scale
+};
+
+MEGAMOE_DEVICE EpilogueTables epilogue_tables(EpilogueSmem& smem, MainloopSmem* mainloop) {
+#if MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP
+  static_assert((kAmaxRows + 2) * kTileTokens <= sizeof(MainloopSmem::tok_scale) / sizeof(float),
+                "the epilogue's tables do not fit the token-scale table");
+  (void)smem;
+  float* t = &mainloop->tok_scale[0][0];
+  return {reinterpret_cast<float(*)[kTileTokens]>(t), t + kAmaxRows * kTileTokens, t + (kAmaxRows + 1) * kTileTokens};
+#else
+  (void)mainloop;
+  return {smem.amax, smem.weight, smem.inv_scale};
+#endif
+}
 
 // The epilogue warpgroup's hand-off tile (epilogue_warpgroup.cuh; other builds never hand off).
 MEGAMOE_DEVICE u8* handoff_tile(EpilogueSmem& smem) {

@@ -140,7 +140,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     gate_io = silu(gate) * up;
     return fabsf(gate_io);
   };
-  if (threadIdx.x < kN) smem.weight[threadIdx.x] = my_weight;
+  const EpilogueTables tables = epilogue_tables(smem, mainloop);
+  if (threadIdx.x < kN) tables.weight[threadIdx.x] = my_weight;
   if constexpr (kRegTok) {
     float tok_amax[2] = {0.0f, 0.0f};  // the thread's token rows lo / hi
 #pragma unroll
@@ -159,7 +160,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
         float m = tok_amax[h];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        if (t4 == 0) smem.amax[kRegisterTokens128 ? 0 : warp / 4][register_tokens_token(2 * h)] = m;
+        if (t4 == 0) tables.amax[kRegisterTokens128 ? 0 : warp / 4][register_tokens_token(2 * h)] = m;
       }
     }
   } else {
@@ -182,7 +183,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          if (g == 0) smem.amax[warp][nt * 8 + 2 * t4 + j] = m;
+          if (g == 0) tables.amax[warp][nt * 8 + 2 * t4 + j] = m;
         }
     }
   }
@@ -194,9 +195,9 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       float m = 0.0f;
 #pragma unroll
       for (u32 w = 0; w < (kRegTok ? (kRegisterTokens128 ? 1 : 2) : kNumMmaWarps); ++w)  // warpgroups or warps
-        m = fmaxf(m, smem.amax[w][tok]);
+        m = fmaxf(m, tables.amax[w][tok]);
       const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
-      smem.inv_scale[tok] = 1.0f / scale;
+      tables.inv_scale[tok] = 1.0f / scale;
       if (tok < t.num_rows)
         me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
     }
@@ -208,8 +209,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
       const u32 tok = register_tokens_token(2 * h);
-      const float w = smem.weight[tok];
-      const float inv_scale = smem.inv_scale[tok];  // (the register-token loop is FP8 only)
+      const float w = tables.weight[tok];
+      const float inv_scale = tables.inv_scale[tok];  // (the register-token loop is FP8 only)
 #pragma unroll
       for (u32 mt = 0; mt < kRtGroups; ++mt) {
         const float(&v)[32] = rt_group(acc, mt);
@@ -228,8 +229,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const u32 tok = nt * 8 + 2 * t4 + j;
-        const float w = smem.weight[tok];
-        const float inv_scale = kFP8 ? smem.inv_scale[tok] : 1.0f;  // read before the tile stores (may alias)
+        const float w = tables.weight[tok];
+        const float inv_scale = kFP8 ? tables.inv_scale[tok] : 1.0f;  // read before the tile stores (may alias)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)

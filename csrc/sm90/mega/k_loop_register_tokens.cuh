@@ -88,7 +88,7 @@ struct RegisterTokenScales {
 
 MEGAMOE_DEVICE void load_register_token_scales(RegisterTokenScales& s, const MainloopSmem& sm, u32 kb) {
   const u32 warp = threadIdx.x / 32, tok = register_tokens_token(0);
-  const float w_even = lds_f32(&sm.w_scale[warp][0][kb]), w_odd = lds_f32(&sm.w_scale[warp][1][kb]);
+  const float w_even = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), w_odd = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
   const float t_lo = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok)]);
   const float t_hi = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok + 8)]);
   s.s[0][0] = w_even * t_lo, s.s[0][1] = w_even * t_hi;
@@ -193,7 +193,7 @@ struct RegisterTokenScales128 {
 
 MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb) {
   const u32 warp = threadIdx.x / 32, tok = register_tokens_token(0);
-  s.w[0] = lds_f32(&sm.w_scale[warp][0][kb]), s.w[1] = lds_f32(&sm.w_scale[warp][1][kb]);
+  s.w[0] = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), s.w[1] = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
   s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok)]);
   s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok + 8)]);
 }

@@ -45,11 +45,20 @@ constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopSt
 // in registers (k_loop_register_tokens.cuh), narrow tasks (64-token tiles) the swap-AB one below.
 constexpr bool kRegisterTokens = kLagPromotion && (kTileTokens == 64 || kTileTokens == 128);
 
+// FP8 128-token tiles: the register-token loops only (3 or more stages; sm90_mega_moe refuses 2).
+static_assert(!(kFP8 && kTileTokens == 128) || kRegisterTokens, "FP8 128-token tiles need 3 or more stages");
+// Weight-scale table copies: one per warp (the swap-AB loops: a warp's rows lie in one 128-row
+// scale block, L2's differs by warpgroup), one in the 128-token builds (every warp reads the same
+// rows: the table is 3 KB smaller, which fits DeepSeek-V3-like a 4th stage). The host sizes the
+// struct with the same rule (sm90_smem.mainloop_smem_bytes).
+constexpr u32 kWScaleCopies = kTileTokens == 128 ? 1 : kNumMmaWarps;
+MEGAMOE_DEVICE u32 w_scale_copy(u32 warp) { return kWScaleCopies == 1 ? 0 : warp; }
+
 struct MainloopSmem {
   alignas(kStageAlign) u8 a[kMainloopStages][kTileRows * kStagedRow];
   alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
   float tok_scale[kMaxKBlocks][kTileTokens];  // FP8: the task's token scales per 128-K block (tok_scale_col)
-  float w_scale[kNumMmaWarps][2][kMaxKBlocks];   // FP8: per warp, scale rows of fragment rows g | g + 8
+  float w_scale[kWScaleCopies][2][kMaxKBlocks];  // FP8: per warp (w_scale_copy), scale rows of fragment rows g | g + 8
 #if MEGAMOE_SMEM_MAINLOOP >= 3
   u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
 #endif
@@ -388,12 +397,14 @@ MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<
     if (i < kTileTokens * KBlocks) sm.tok_scale[kb][tok_scale_col(kb, tok)] = r.tok[j];
   }
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (kWScaleCopies > 1 || warp == 0) {
 #pragma unroll
-  for (u32 j = 0; j < r.kW; ++j) {
-    const u32 kb = lane + 32 * j;
-    if (kb < KBlocks) {
-      sm.w_scale[warp][0][kb] = r.w[0][j];
-      sm.w_scale[warp][1][kb] = r.w[1][j];
+    for (u32 j = 0; j < r.kW; ++j) {
+      const u32 kb = lane + 32 * j;
+      if (kb < KBlocks) {
+        sm.w_scale[w_scale_copy(warp)][0][kb] = r.w[0][j];
+        sm.w_scale[w_scale_copy(warp)][1][kb] = r.w[1][j];
+      }
     }
   }
 }
@@ -409,9 +420,11 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
     sm.tok_scale[kb][tok_scale_col(kb, tok)] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
   }
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (u32 kb = lane; kb < KBlocks; kb += 32) {
-    sm.w_scale[warp][0][kb] = __ldg(op.w_scale[0] + kb);
-    sm.w_scale[warp][1][kb] = __ldg(op.w_scale[1] + kb);
+  if (kWScaleCopies > 1 || warp == 0) {
+    for (u32 kb = lane; kb < KBlocks; kb += 32) {
+      sm.w_scale[w_scale_copy(warp)][0][kb] = __ldg(op.w_scale[0] + kb);
+      sm.w_scale[w_scale_copy(warp)][1][kb] = __ldg(op.w_scale[1] + kb);
+    }
   }
 }
 
@@ -429,8 +442,8 @@ struct PromoteScales {
 template <u32 kTiles>
 MEGAMOE_DEVICE void load_promote_scales(PromoteScales<kTiles>& s, const MainloopSmem& sm, u32 kb) {
   const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
-  const float w_lo = lds_f32(&sm.w_scale[warp][0][kb]);
-  const float w_hi = lds_f32(&sm.w_scale[warp][1][kb]);
+  const float w_lo = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]);
+  const float w_hi = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
 #pragma unroll
   for (u32 nt = 0; nt < kTiles; ++nt) {
     const float2 tok = lds_f32x2(&sm.tok_scale[kb][tok_scale_col(kb, nt * 8 + 2 * t4)]);
