@@ -543,3 +543,25 @@ def test_params_mirror_matches_the_kernel_struct():
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     fields = re.findall(r"^\s*[\w:<>\s\*]+?[\s\*](\w+)(?:\[\d+\])?;", body, re.M)
     assert fields == [name for name, _ in sm90_mega_moe._Params._fields_]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_128_token_tiles_of_a_small_layer(fmt, monkeypatch):
+    """A layer whose token-scale table has fewer than 4 K-block rows (hidden and intermediate
+    < 512) keeps the 128-token epilogue's per-token tables in static shared memory: it compiles,
+    and host and kernel agree on its shared memory."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
+
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    small, large = MoEShape(256, 128, 8, 2), MoEShape(512, 256, 8, 2)
+    assert not sm90_smem.epilogue_tables_in_mainloop(small, 128) and sm90_smem.epilogue_tables_in_mainloop(large, 128)
+    assert not sm90_smem.epilogue_tables_in_mainloop(large, 64)
+
+    class _Buf:
+        layout = BufferLayout(small, 2, 256, fmt)
+
+    compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(small, _Buf()), "nvrtc")
+    assert len(compiled.cubin) > 10_000

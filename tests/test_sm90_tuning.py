@@ -241,3 +241,14 @@ def test_plugin_settings_offer_what_the_core_accepts():
     assert set(parse["sm90_token_tile"].choices) == {str(t) for t in tu.TILES} | {"auto"}
     for knob in ("portable_scatter", "portable_activation", "portable_reduce"):
         assert parse[knob].choices == portable_settings.CHOICES
+
+
+def test_fp8_auto_tile_stays_below_128_under_two_forced_stages(clean_env):
+    """The FP8 128-token build needs 3 stages (its register-token K loop): with
+    VLLM_MEGAMOE_SM90_STAGES=2 the auto tile picks 64 where it would pick 128, and nothing compiles
+    a 128-token build; BF16 keeps 128."""
+    assert tu.choose(V4, "fp8-block", 1, 8192).tile == 128
+    clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "2")
+    assert tu.choose(V4, "fp8-block", 1, 8192) == Choice("tma", 2, 64)
+    assert 128 not in [c.tile for c in tu.choices(V4, "fp8-block", 1)]
+    assert tu.choose(V4, "bf16", 1, 8192) == Choice("tma", 2, 128)

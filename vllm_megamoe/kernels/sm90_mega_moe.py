@@ -21,7 +21,8 @@ from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
 from .phase_clock import TRACE_TASK as DEFAULT_TRACE_TASK
-from .sm90_smem import SMEM_PER_BLOCK, TILE_ROWS, has_epilogue_warpgroup, mainloop_smem_bytes, static_smem_bytes
+from .sm90_smem import (SMEM_PER_BLOCK, TILE_ROWS, epilogue_tables_in_mainloop, has_epilogue_warpgroup,
+                        mainloop_smem_bytes, static_smem_bytes)
 from .sm90_tuning import TMA_MAINLOOPS, Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
@@ -151,7 +152,8 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                    MEGAMOE_TILE_TOKENS=choice.tile)
     if choice.mainloop != "ldg":
         smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
-        static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile, choice.mainloop)
+        static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile, choice.mainloop,
+                                   epilogue_tables_in_mainloop(shape, choice.tile))
         require(smem + static <= SMEM_PER_BLOCK,
                 f"{choice.stages} stages of the {choice.mainloop} mainloop need {smem} + {static} bytes of shared "
                 f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "

@@ -31,15 +31,23 @@ def has_epilogue_warpgroup(mainloop: str, tile_tokens: int) -> bool:
     return mainloop in TMA_MAINLOOPS and tile_tokens in EPILOGUE_WARPGROUP_TILES and epilogue_warpgroup_enabled()
 
 
-def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg") -> int:
+def epilogue_tables_in_mainloop(shape: MoEShape, tile_tokens: int) -> bool:
+    """Whether the build keeps the L1 epilogue's per-token tables in the mainloop's token-scale
+    table (csrc/sm90/mega/epilogue_tile.cuh): 128-token tiles whose table has the 4 K-block rows
+    they take."""
+    return tile_tokens == 128 and max(shape.hidden, shape.intermediate) >= 4 * 128
+
+
+def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg",
+                      tables_in_mainloop: bool = False) -> int:
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
     ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale;
-    none in the 128-token builds, which keep them in the mainloop's token-scale table)
+    none when tables_in_mainloop, see epilogue_tables_in_mainloop)
     and, unless it lives in a mainloop stage, its tile (epilogue_tile.cuh EpilogueSmem), and 1 KB
     of headroom (the task queue's, the hand-off header's and the phase clock's few words among it)."""
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks) * 4
-    # the 128-token builds keep the per-token tables in the mainloop's token-scale table
-    epilogue = 0 if tile_tokens == 128 else (8 + 2) * tile_tokens * 4
+    # (epilogue_tables_in_mainloop: the per-token tables live in the mainloop's token-scale table)
+    epilogue = 0 if tables_in_mainloop else (8 + 2) * tile_tokens * 4
     if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS or has_epilogue_warpgroup(mainloop, tile_tokens):
         epilogue += min(tile_tokens, 64) * TILE_ROWS * 2  # L2 passes of <= 64 tokens
     return table + epilogue + 1024
@@ -65,4 +73,5 @@ def fits(shape: MoEShape, num_ranks: int, mainloop: str, stages: int, tile_token
     if mainloop == "ldg":
         return True
     return (mainloop_smem_bytes(shape, stages, mainloop, tile_tokens)
-            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens, mainloop)) <= SMEM_PER_BLOCK
+            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens, mainloop,
+                                epilogue_tables_in_mainloop(shape, tile_tokens))) <= SMEM_PER_BLOCK

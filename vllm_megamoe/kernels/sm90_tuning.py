@@ -114,7 +114,8 @@ def env_overrides() -> dict:
     return out
 
 
-def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str) -> int:
+def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str,
+              stages: Optional[int] = None) -> int:
     """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT, 128
     where prefers_128 (BF16, and FP8 with the tma mainloop), else 32."""
     if mainloop not in WGMMA_MAINLOOPS:
@@ -122,12 +123,17 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     if rows_per_expert < AUTO_TILE_ROWS_PER_EXPERT:
         return 32
-    return 128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop) and prefers_128(fmt, rows_per_expert) else 64
+    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages) and prefers_128(fmt, rows_per_expert)
+            else 64)
 
 
-def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, mainloop: str) -> bool:
+def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, mainloop: str,
+                           stages: Optional[int] = None) -> bool:
     """Whether auto_tile may pick 128 for this layer: a 128-token build of the format and mainloop
-    with 3 stages that fit (the token-scale table grows with the hidden size)."""
+    with 3 stages that fit (the token-scale table grows with the hidden size); FP8 not under a
+    forced depth below 3 (`stages`: VLLM_MEGAMOE_SM90_STAGES; the register-token loop needs 3)."""
+    if fmt == "fp8-block" and stages is not None and stages < 3:
+        return False
     return tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128)
 
 
@@ -223,7 +229,7 @@ def _apply(base: Choice, env: dict, shape: MoEShape, fmt: str, num_tokens: Optio
     stages = env.get("stages", base.stages if mainloop != "ldg" else 4)
     tile = env.get("tile", base.tile)
     if tile == "auto":
-        tile = 32 if num_tokens is None else auto_tile(shape, fmt, num_tokens, num_ranks, mainloop)
+        tile = 32 if num_tokens is None else auto_tile(shape, fmt, num_tokens, num_ranks, mainloop, env.get("stages"))
     if tile > 32 and mainloop not in WGMMA_MAINLOOPS:
         tile = 32  # a table's 64 / 128 under an environment mainloop without wgmma
     if "stages" not in env:  # e.g. a table's 5 stages of 32-token tiles under a 64-token override:
@@ -253,7 +259,8 @@ def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     out = []
     for base in bases:
         mainloop = env.get("mainloop", base.mainloop)
-        tiles = ([t for t in TILES if t != 128 or auto_tile_128_possible(shape, fmt, num_ranks, mainloop)]
+        may_128 = auto_tile_128_possible(shape, fmt, num_ranks, mainloop, env.get("stages"))
+        tiles = ([t for t in TILES if t != 128 or may_128]
                  if env.get("tile") == "auto" else (None,))  # every tile auto_tile may pick
         for tile in tiles:
             override = dict(env, tile=tile) if tile is not None else env

@@ -32,9 +32,12 @@ struct HandoffHeader {
 // The L1 epilogue's per-token tables (EpilogueTables below). 128-token builds: in the finished
 // task's token-scale table of the mainloop (read by its K loop only; the next task stores into it
 // after the epilogue's last barrier), 5 KB of static shared memory that buy the DeepSeek-V3-like
-// 128-token build a 4th stage; there amax has two rows (warpgroups: the register-token maps).
-#define MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP (MEGAMOE_TILE_TOKENS == 128)
-constexpr u32 kAmaxRows = MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP ? 2 : kNumMmaWarps;
+// 128-token build a 4th stage, when that table has the 4 rows they take (a layer of hidden or
+// intermediate size >= 512; sm90_smem.epilogue_tables_in_mainloop says the same to the host).
+// amax has two rows in every 128-token build (warpgroups: the register-token maps).
+#define MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP \
+  (MEGAMOE_TILE_TOKENS == 128 && (MEGAMOE_HIDDEN >= 512 || MEGAMOE_INTERMEDIATE >= 512))
+constexpr u32 kAmaxRows = kTileTokens == 128 ? 2 : kNumMmaWarps;
 
 struct EpilogueSmem {
 #if !MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP
