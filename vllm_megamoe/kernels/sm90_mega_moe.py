@@ -99,7 +99,8 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
 # math runs on stale stages; tma_warm: only each CTA's first S chunks are copied, later chunks
 # compute on those real bytes; narrow: every task of an FP8 64-token build computes only its first
 # 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; epilogue:
-# the epilogue warpgroup takes each hand-off and computes and stores nothing; MEGAMOE_ABLATE,
+# the epilogue warpgroup takes each hand-off and computes and stores nothing, builds without one skip
+# their epilogues; MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,

@@ -112,7 +112,8 @@ constexpr u32 kAblateTma = 16;       // no TMA copies: stages complete at once a
 constexpr u32 kAblateTmaWarm = 32;   // only the CTA's first S chunks are copied; later chunks reuse those bytes
 constexpr u32 kAblateNarrow = 64;    // FP8 64-token tiles: every task runs the narrow path (its first 32 token columns)
 constexpr u32 kAblateHalfRows = 128; // FP8: each warpgroup's second m64 wgmma group is never issued (empty commit)
-constexpr u32 kAblateEpilogue = 256; // epilogue warpgroup: the hand-off runs, the rows are neither computed nor stored
+constexpr u32 kAblateEpilogue = 256; // epilogue warpgroup: the hand-off runs, the rows are neither computed nor stored;
+                                     // inline epilogues (128-token builds): skipped, the L1 tile published unwritten
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

@@ -125,6 +125,14 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     span_count(p, clock, kSpanL1Tasks);
     return;
   }
+  if constexpr (kAblate & kAblateEpilogue) {  // profiling: no inline epilogue, the tile published unwritten
+    if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;  // never true: keeps the wgmmas
+    __syncthreads();
+    if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+    span_end(p, clock, kSpanL1Epilogue);
+    span_count(p, clock, kSpanL1Tasks);
+    return;
+  }
 
   // SwiGLU: the gate and up rows of a channel sit in the same thread (swap-AB: fragment rows g and
   // g + 8 of each m16 tile; register tokens: n8 column blocks 2 m and 2 m + 1). The activation
@@ -311,6 +319,13 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kInter, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL2Gemm);
+  if constexpr ((kAblate & kAblateEpilogue) && !kEpilogueWarpgroup) {  // profiling: no inline epilogue
+    if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;  // never true: keeps the wgmmas
+    __syncthreads();  // (the next task refills this task's last stage only after its first CTA barrier)
+    span_end(p, clock, kSpanL2Epilogue);
+    span_count(p, clock, kSpanL2Tasks);
+    return;
+  }
   // Rounded to BF16 pairs first: half the registers stay live through the passes' stores. A pair
   // is two tokens of one channel (swap-AB) or two adjacent channels of one token (register tokens).
   u32 out[2][kNTiles][2];

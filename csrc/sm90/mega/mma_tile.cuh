@@ -46,6 +46,16 @@ MEGAMOE_DEVICE void mma_k32_bytes(float (&c)[4], const u32 (&a)[4], const u32 (&
 struct WarpAcc {
   float v[2][kTokenTiles][4];
   MEGAMOE_DEVICE void zero() { zero_tiles<0, kTokenTiles>(); }
+  MEGAMOE_DEVICE float sum() const {  // profiling builds that drop the epilogue keep the K loop's results live
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < static_cast<int>(kTokenTiles); ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s += v[i][j][k];
+    return s;
+  }
   template <u32 kFrom, u32 kTo>  // n8 tiles [kFrom, kTo)
   MEGAMOE_DEVICE void zero_tiles() {
 #pragma unroll
