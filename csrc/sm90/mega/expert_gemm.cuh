@@ -140,7 +140,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   // weight multiplies in after the amax: |s x w| rounds monotonically, so the token's amax of
   // s x w is its amax of s times |w|, exactly.
   const auto swiglu = [&](float& gate_io, float up_in) {
-    float gate = round_bf16(gate_io), up = round_bf16(up_in);
+    float gate = gate_io, up = up_in;
+    round_bf16x2(gate, up);
     if (p.has_clamp) {
       gate = fminf(gate, p.clamp);
       up = fminf(fmaxf(up, -p.clamp), p.clamp);
