@@ -93,6 +93,10 @@ def test_bad_input_is_rejected_before_communication():
     buf = SymmBuffer(SHAPE, 8, None, format="bf16")
     with pytest.raises(ValueError, match="exceed the SymmBuffer's max_tokens_per_rank=8"):
         portable.mega_moe(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([tw, tw]), weights, buf)
+    odd = SymmBuffer(SHAPE, 7, None, format="bf16")  # regions rounded up to 16 rows; the bound stays 7
+    with pytest.raises(ValueError, match="8 tokens on rank 0 exceed the SymmBuffer's max_tokens_per_rank=7"):
+        portable.mega_moe(x, idx, tw, weights, odd)
+    odd.destroy()
     bad = idx.clone()
     bad[0, 0] = 8
     with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):

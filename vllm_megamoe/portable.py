@@ -69,9 +69,9 @@ def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: Sym
             f"{lay.shape.experts_per_rank(buffer.num_ranks)}")
     require(weights.format == lay.format,
             f"weights are {weights.format!r} but the SymmBuffer was built for {lay.format!r}")
-    require(t <= lay.tokens,
+    require(t <= lay.max_tokens_per_rank,  # the bound asked for (the regions hold it rounded up)
             f"{t} tokens on rank {buffer.rank} exceed the SymmBuffer's max_tokens_per_rank="
-            f"{lay.tokens}; raise max_tokens_per_rank (VLLM_MEGAMOE_MAX_TOKENS_PER_RANK) or send "
+            f"{lay.max_tokens_per_rank}; raise max_tokens_per_rank (VLLM_MEGAMOE_MAX_TOKENS_PER_RANK) or send "
             "smaller batches")
     require(x.device.type == buffer.device.type,
             f"x is on {x.device} but the SymmBuffer lives on {buffer.device}")
@@ -323,8 +323,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         _forward_exact(buffer, shape, weights, activation_clamp)
     else:
         bound = t if max_peer_tokens is None else int(max_peer_tokens)
-        require(0 <= bound <= buffer.layout.tokens,
-                f"max_peer_tokens={bound} must be in [0, {buffer.layout.tokens}]")
+        require(0 <= bound <= buffer.layout.max_tokens_per_rank,
+                f"max_peer_tokens={bound} must be in [0, {buffer.layout.max_tokens_per_rank}] (max_tokens_per_rank)")
         if bound > 0:
             _forward_padded(buffer, shape, weights, activation_clamp, bound)
     buffer.barrier("combine")
