@@ -9,7 +9,7 @@ import torch
 
 from vllm_megamoe.launch import run_ranks
 
-from mega_cases import SHAPES, assert_rows, run_cases
+from mega_cases import EMULATED_BOUND, SHAPES, assert_rows, run_cases
 
 # shares_gpu: the multigpu tests here can run with their ranks on one GPU (SHARED_GPU below)
 pytestmark = [pytest.mark.gpu, pytest.mark.shares_gpu]
@@ -293,6 +293,34 @@ def test_unaligned_x_and_y_one_gpu(fmt):
     out = torch.empty(y.numel() + 1, dtype=torch.bfloat16, device=dev)[1:].view_as(y)
     with pytest.raises(ValueError, match="16-byte"):
         sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, y=out)
+    buf.destroy()
+
+
+@requires_sm90
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_activation_clamp_128_token_tiles_one_gpu(fmt, monkeypatch):
+    """The 128-token builds' own L1 epilogue applies the activation clamp as the portable path
+    does (the other tests of these builds run without one): the kernel's clamped output is within
+    the format's bound of the portable path's, and the clamp changes the output well beyond it."""
+    from mega_cases import global_weights, inputs
+    from vllm_megamoe import SymmBuffer, portable, reference
+    from vllm_megamoe.kernels import sm90_mega_moe
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    shape = SHAPES["qwen3-30b-a3b"]
+    dev = torch.device("cuda", 0)
+    weights = global_weights(shape, fmt, dev)
+    buf = SymmBuffer(shape, 1000, None, format=fmt, device=dev)
+    for t in (1000, 200):  # whole 128-token blocks and a partial last one
+        x, idx, tw = inputs(shape, [t], "uniform", 7 + t, dev)[0]
+        y = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, activation_clamp=0.5)
+        want = portable.mega_moe(x, idx, tw, weights, buf, activation_clamp=0.5)
+        unclamped = portable.mega_moe(x, idx, tw, weights, buf)
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all()
+        err = reference.relative_error(y, want)
+        assert err <= 2 * EMULATED_BOUND[fmt], (fmt, t, err)
+        assert reference.relative_error(unclamped, want) > 20 * EMULATED_BOUND[fmt]  # the clamp matters here
     buf.destroy()
 
 
