@@ -22,12 +22,12 @@
 #                ablations (tma / mma / both) and optionally another commit's sources
 #   STEP=ab      kernel tests of this tree (SANITIZE=1: then memcheck and racecheck), then the same
 #                kernel_probe of this tree and of other csrc trees (BASES) side by side
+#   STEP=tree128 a csrc tree (TREE) at 128-token tiles against this tree: its tests, shared-GPU multi-rank,
+#                graph times side by side, sanitizers (one H200)
 #   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
 #                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
 #                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
 #                rounds in turn), then memcheck and racecheck, within BUDGET s
-#   STEP=narrow128 a source tree's FP8 128-token narrow tasks (TREE, default .probe_rt64) against this
-#                tree: the forced-tile tests on it, then graph times and narrow-task costs, one GPU
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -151,25 +151,23 @@ case "${STEP:-verify}" in
       --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
       --rounds ${ROUNDS:-2} --out "$OUT/probe_1gpu_ab.json" 2>&1 | tail -24
     L=$(left); [ "$L" -gt 60 ] && sanitize $(( L / 2 - 5 )) ;;
-  narrow128) # ~8 min, one H200: a source tree in TREE (default .probe_rt64: `git archive
-            # next/narrow-128-rt64 csrc | tar -x -C .probe_rt64` before the call; its FP8 128-token tiles
-            # run blocks of <= 64 rows with the 64-token loop) against this tree: the FP8 forced-tile tests
-            # and a shared-GPU multi-rank test on TREE's kernel, then graph times at 2048-8192 tokens per
-            # rank (tile=128 both trees, tile=64), then every task narrow (ablate=narrow) at 8192: a narrow
-            # task's cost for the tile model (sm90_tuning.prefers_128)
-    TREE="${TREE:-.probe_rt64}"
-    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" timeout 150 python3 -m pytest $T -o timeout=140 tests/gpu/test_sm90_mega_moe.py \
-      -k "token_tiles_one_gpu and not bf16 and not 32" > "$OUT/narrow_tests.log" 2>&1
-    tail -2 "$OUT/narrow_tests.log"
-    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" VLLM_MEGAMOE_SM90_TOKEN_TILE=128 MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 \
-      timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py -k "multi_gpu and v4 and fp8 and not tile_64" \
-      > "$OUT/narrow_tests_shared.log" 2>&1
-    tail -2 "$OUT/narrow_tests_shared.log"
-    timeout 250 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
-      --tokens ${TOKENS:-2048 5461 8192} --variants tile=128 tile=128,csrc=$TREE/csrc tile=64 --rounds 2 \
-      --out "$OUT/probe_narrow.json" 2>&1 | tail -30
-    timeout 90 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 8192 \
-      --variants tile=128,csrc=$TREE/csrc,ablate=narrow tile=64,ablate=narrow --out "$OUT/probe_narrow_ablate.json" 2>&1 | tail -8 ;;
+  tree128)  # ~8 min, one H200: a source tree in TREE (default .probe_e128: `mkdir -p .probe_e128 && git
+            # archive next/epilogue-128 csrc | tar -x -C .probe_e128` before the call) against this tree at
+            # 128-token tiles: TREE's kernel through the forced-tile, clamp, epilogue-warpgroup and one-GPU
+            # tests and a shared-GPU multi-rank test, then graph times of both trees in one process (outputs
+            # should match bit for bit: rel_err 0), then memcheck and racecheck on TREE
+    TREE="${TREE:-.probe_e128}"
+    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" timeout 170 python3 -m pytest $T -o timeout=160 tests/gpu/test_sm90_mega_moe.py \
+      -k "(token_tiles_one_gpu and 128) or clamp or bit_identical or test_one_gpu" > "$OUT/tree_tests.log" 2>&1
+    tail -2 "$OUT/tree_tests.log"
+    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" VLLM_MEGAMOE_SM90_TOKEN_TILE=128 VLLM_MEGAMOE_SM90_MAINLOOP=tma MEGAMOE_SHARED_GPU=1 \
+      VLLM_MEGAMOE_TIMEOUT_S=20 timeout 100 python3 -m pytest $T -o timeout=90 tests/gpu/test_sm90_mega_moe.py \
+      -k "multi_gpu and (v4 or deepseek)" > "$OUT/tree_tests_shared.log" 2>&1
+    tail -2 "$OUT/tree_tests_shared.log"
+    timeout 150 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
+      --tokens ${TOKENS:-2048 8192} --variants tile=128 tile=128,csrc=$TREE/csrc --rounds 2 \
+      --out "$OUT/probe_tree128.json" 2>&1 | tail -16
+    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" sanitize 80 ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
             # each interval of a few K chunks of one L1 task per CTA (stage wait, wgmma issues and waits,
             # promotions, CTA barrier, refill), next to the untraced build, with and without copies
