@@ -1,7 +1,7 @@
 // Number conversions through PTX (NVRTC compiles without cuda_bf16.h / cuda_fp8.h).
 // Rounding matches the Python reference: round to nearest even everywhere.
 #pragma once
-#include "../common.cuh"
+#include "../ptx.cuh"
 
 namespace megamoe::mega {
 
@@ -16,8 +16,7 @@ MEGAMOE_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float(static_cast<u32
 // Both values rounded to BF16 (nearest even) by one packed cvt (F2FP): single cvts ran on the
 // conversion pipe, 128 per thread in the 128-token L1 epilogue, beside silu's MUFU.
 MEGAMOE_DEVICE void round_bf16x2(float& lo, float& hi) {
-  u32 packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+  const u32 packed = pack_bf16x2(lo, hi);
   lo = __uint_as_float(packed << 16), hi = __uint_as_float(packed & 0xffff0000u);
 }
 
