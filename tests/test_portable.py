@@ -264,6 +264,25 @@ def test_a_rank_without_its_shm_dir_stops_every_rank(tmp_path):
                        "a directory (the CPU buffer's shared-memory files live there)")
 
 
+def _rank_with_env(rank, world, group, name, value):
+    if rank == 1:
+        os.environ[name] = value
+    try:
+        SymmBuffer(SHAPE, 8, group, format="bf16", timeout_s=5)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_an_unknown_megamoe_variable_stops_every_rank():
+    """A misspelt VLLM_MEGAMOE_* variable would do nothing: the core refuses it (callers that
+    never load the plugin included), on every rank, naming the closest known one."""
+    for msg in run_ranks(_rank_with_env, 2, ("VLLM_MEGAMOE_TIMEOUT", "3"), timeout_s=120):
+        assert msg.startswith("megamoe: SymmBuffer not created: rank 1: unknown environment variable "
+                              "VLLM_MEGAMOE_TIMEOUT (did you mean 'VLLM_MEGAMOE_TIMEOUT_S'?)"), msg
+    assert run_ranks(_rank_with_env, 2, ("VLLM_MEGAMOE_TIMEOUT_S", "30"), timeout_s=120) == ["built", "built"]
+
+
 def test_from_float_refuses_integer_weights():
     with pytest.raises(ValueError, match="w13 has dtype torch.int64"):
         ExpertWeights.from_float(torch.ones(8, 256, 256, dtype=torch.int64), torch.ones(8, 256, 128), "bf16")

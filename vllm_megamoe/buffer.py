@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .errors import BarrierTimeoutError, PeerAccessError
 from .layout import BufferLayout
+from .plugin.settings import unknown_environment_names
 from .shape import MoEShape, require
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ class SymmBuffer:
                 f"backend='cpu' keeps the buffer in host shared memory; got device={self.device}")
         self.backend = backend
         # a local problem is raised on every rank: a peer would otherwise wait in the next collective
-        self._check_ranks_agree(shm_dir_problem() if backend == "cpu" else None)
+        problems = [unknown_environment_names(), shm_dir_problem() if backend == "cpu" else None]
+        self._check_ranks_agree("; ".join(p for p in problems if p) or None)
         self._handle = None
         self._shm_path: Optional[str] = None
         self._peer_buffers: list[torch.Tensor] = []

@@ -206,6 +206,19 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+def unknown_environment_names(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why the environment is refused: a `VLLM_MEGAMOE_*` variable that is no known key (a typo
+    would otherwise do nothing), named with the closest key; None when every one is known. The
+    core's SymmBuffer asks too, for callers that never load the plugin."""
+    env = os.environ if environ is None else environ
+    known_env = {k.env: k for k in KEYS.values()}
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV and var not in known_env:
+            return (f"unknown environment variable {var}{_closest(var, known_env)}; "
+                    f"known: {sorted(known_env) + [CONFIG_ENV]}")
+    return None
+
+
 def load_settings(environ: Optional[Mapping[str, str]] = None, *, export: bool = True) -> Settings:
     """Read and validate every tunable; raise ValueError naming the offending key.
 
@@ -213,11 +226,9 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, *, export: bool =
     is os.environ and the variable is not set already).
     """
     env = os.environ if environ is None else environ
-    known_env = {k.env: k for k in KEYS.values()}
-    for var in env:
-        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV and var not in known_env:
-            raise ValueError(f"unknown environment variable {var}{_closest(var, known_env)}; "
-                             f"known: {sorted(known_env) + [CONFIG_ENV]}")
+    problem = unknown_environment_names(env)
+    if problem is not None:
+        raise ValueError(problem)
 
     file_values: dict[str, Any] = {}
     first_spelling: dict[str, Any] = {}
