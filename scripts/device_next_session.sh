@@ -24,6 +24,7 @@
 #                kernel_probe of this tree and of other csrc trees (BASES) side by side
 #   STEP=tree128 a csrc tree (TREE) at 128-token tiles against this tree: its tests, shared-GPU multi-rank,
 #                graph times side by side, sanitizers (one H200)
+#   STEP=epilogue_cost graph times with and without the GEMM epilogues (FORMAT, default bf16), one GPU
 #   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
 #                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
 #                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
@@ -168,6 +169,12 @@ case "${STEP:-verify}" in
       --tokens ${TOKENS:-2048 8192} --variants tile=128 tile=128,csrc=$TREE/csrc --rounds 2 \
       --out "$OUT/probe_tree128.json" 2>&1 | tail -16
     VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" sanitize 80 ;;
+  epilogue_cost) # ~2 min, one H200: what the GEMM epilogues cost in FORMAT's builds (default bf16): graph
+            # times with and without them (ablate=epilogue drops the 128-token builds' own epilogues and
+            # the epilogue warpgroup's work), 128- and 64-token tiles, 2048 and 8192 tokens per rank
+    timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-bf16} --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
+      --tokens ${TOKENS:-2048 8192} --variants tile=128 tile=128,ablate=epilogue tile=64 tile=64,ablate=epilogue \
+      --out "$OUT/probe_epilogue_${FORMAT:-bf16}.json" 2>&1 | tail -30 ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
             # each interval of a few K chunks of one L1 task per CTA (stage wait, wgmma issues and waits,
             # promotions, CTA barrier, refill), next to the untraced build, with and without copies
