@@ -31,3 +31,16 @@ def load_strict_yaml(stream: Union[str, IO]):
 
     _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
     return yaml.load(stream, Loader=_StrictLoader)
+
+
+def read_yaml_file(path: str, label: str):
+    """load_strict_yaml of the file at `path`; a ValueError starting with `label` (which names
+    the setting or file) when the file cannot be read or is not valid YAML."""
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            return load_strict_yaml(f)
+    except OSError as e:
+        raise ValueError(f"{label}: cannot read the file ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"{label}: not valid YAML ({e})") from e

@@ -192,17 +192,8 @@ def parse_table(doc: dict, where: str = "the tuning table") -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: str) -> dict:
-    import yaml
-
-    from ..strict_yaml import load_strict_yaml
-    try:
-        with open(path) as f:
-            doc = load_strict_yaml(f)
-    except OSError as e:
-        raise ValueError(f"the SM90 tuning table {path}: cannot read it ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise ValueError(f"the SM90 tuning table {path}: not valid YAML ({e})") from e
-    return parse_table(doc, path)
+    from ..strict_yaml import read_yaml_file
+    return parse_table(read_yaml_file(path, f"the SM90 tuning table {path}"), path)
 
 
 def load_table() -> dict:

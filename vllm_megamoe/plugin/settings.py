@@ -186,18 +186,11 @@ def _closest(name: str, known) -> str:
 
 def _read_yaml(path: str) -> dict:
     try:
-        import yaml
-
-        from ..strict_yaml import load_strict_yaml
+        import yaml  # noqa: F401
     except ImportError as e:  # PyYAML is a dependency of vllm and of this package
         raise ValueError(f"{CONFIG_ENV}={path}: reading it needs PyYAML (pip install pyyaml)") from e
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = load_strict_yaml(f)
-    except OSError as e:
-        raise ValueError(f"{CONFIG_ENV}={path}: cannot read the file ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise ValueError(f"{CONFIG_ENV}={path}: not valid YAML ({e})") from e
+    from ..strict_yaml import read_yaml_file
+    data = read_yaml_file(path, f"{CONFIG_ENV}={path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
