@@ -139,63 +139,71 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   // replaces the gate value in acc (a separate array spills with 128-token tiles). The top-k
   // weight multiplies in after the amax: |s x w| rounds monotonically, so the token's amax of
   // s x w is its amax of s times |w|, exactly.
-  const auto swiglu = [&](float& gate_io, float up_in) {
-    float gate = gate_io, up = up_in;
-    round_bf16x2(gate, up);
-    if (p.has_clamp) {
-      gate = fminf(gate, p.clamp);
-      up = fminf(fmaxf(up, -p.clamp), p.clamp);
-    }
-    gate_io = silu(gate) * up;
-    return fabsf(gate_io);
-  };
   const EpilogueTables tables = epilogue_tables(smem, mainloop);
   if (threadIdx.x < kN) tables.weight[threadIdx.x] = my_weight;
-  if constexpr (kRegTok) {
-    float tok_amax[2] = {0.0f, 0.0f};  // the thread's token rows lo / hi
-#pragma unroll
-    for (u32 mt = 0; mt < kRtGroups; ++mt) {
-      float(&v)[32] = rt_group(acc, mt);
-#pragma unroll
-      for (u32 m = 0; m < 4; ++m)
-#pragma unroll
-        for (u32 k = 0; k < 4; ++k) tok_amax[k / 2] = fmaxf(tok_amax[k / 2], swiglu(v[8 * m + k], v[8 * m + 4 + k]));
-    }
-    if constexpr (kFP8) {
-      // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below, 64-token
-      // tiles) the two warpgroups; with 128 tokens a warpgroup holds all channels of its tokens.
-#pragma unroll
-      for (u32 h = 0; h < 2; ++h) {
-        float m = tok_amax[h];
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        if (t4 == 0) tables.amax[kRegisterTokens128 ? 0 : warp / 4][register_tokens_token(2 * h)] = m;
+  // The clamp is the same for the whole call: one branch around the pass instead of a predicate
+  // on each of its min / max and clamp loads (3 per channel, issued also when off).
+  const auto swiglu_pass = [&](auto clamp_tag) {
+    constexpr bool kClamp = decltype(clamp_tag)::value;
+    const float clamp = kClamp ? p.clamp : 0.0f;
+    const auto swiglu = [&](float& gate_io, float up_in) {
+      float gate = gate_io, up = up_in;
+      round_bf16x2(gate, up);
+      if constexpr (kClamp) {
+        gate = fminf(gate, clamp);
+        up = fminf(fmaxf(up, -clamp), clamp);
       }
-    }
-  } else {
-    float tok_amax[kNTiles][2];
+      gate_io = silu(gate) * up;
+      return fabsf(gate_io);
+    };
+    if constexpr (kRegTok) {
+      float tok_amax[2] = {0.0f, 0.0f};  // the thread's token rows lo / hi
 #pragma unroll
-    for (u32 nt = 0; nt < kNTiles; ++nt)
+      for (u32 mt = 0; mt < kRtGroups; ++mt) {
+        float(&v)[32] = rt_group(acc, mt);
 #pragma unroll
-      for (u32 j = 0; j < 2; ++j) {
-        tok_amax[nt][j] = 0.0f;
+        for (u32 m = 0; m < 4; ++m)
 #pragma unroll
-        for (u32 mt = 0; mt < 2; ++mt) tok_amax[nt][j] = fmaxf(tok_amax[nt][j], swiglu(acc.v[mt][nt][j], acc.v[mt][nt][2 + j]));
+          for (u32 k = 0; k < 4; ++k) tok_amax[k / 2] = fmaxf(tok_amax[k / 2], swiglu(v[8 * m + k], v[8 * m + 4 + k]));
       }
-    if constexpr (kFP8) {
-      // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
+      if constexpr (kFP8) {
+        // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below, 64-token
+        // tiles) the two warpgroups; with 128 tokens a warpgroup holds all channels of its tokens.
+#pragma unroll
+        for (u32 h = 0; h < 2; ++h) {
+          float m = tok_amax[h];
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          if (t4 == 0) tables.amax[kRegisterTokens128 ? 0 : warp / 4][register_tokens_token(2 * h)] = m;
+        }
+      }
+    } else {
+      float tok_amax[kNTiles][2];
 #pragma unroll
       for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (u32 j = 0; j < 2; ++j) {
-          float m = tok_amax[nt][j];
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          if (g == 0) tables.amax[warp][nt * 8 + 2 * t4 + j] = m;
+          tok_amax[nt][j] = 0.0f;
+#pragma unroll
+          for (u32 mt = 0; mt < 2; ++mt) tok_amax[nt][j] = fmaxf(tok_amax[nt][j], swiglu(acc.v[mt][nt][j], acc.v[mt][nt][2 + j]));
         }
+      if constexpr (kFP8) {
+        // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
+#pragma unroll
+        for (u32 nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (u32 j = 0; j < 2; ++j) {
+            float m = tok_amax[nt][j];
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+            if (g == 0) tables.amax[warp][nt * 8 + 2 * t4 + j] = m;
+          }
+      }
     }
-  }
+  };
+  if (p.has_clamp) swiglu_pass(BoolConstant<true>{});
+  else swiglu_pass(BoolConstant<false>{});
   __syncthreads();
   if constexpr (kFP8) {
     // One thread per token: the scale (one division per token) for every thread's values.
