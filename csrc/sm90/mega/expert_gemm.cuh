@@ -335,6 +335,19 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     span_count(p, clock, kSpanL2Tasks);
     return;
   }
+  // Otherwise every pass's row metadata is loaded here, at once, before the BF16 rounding and the
+  // first pass's tile writes: one round trip that those hide, where a load per pass after its
+  // writes and barrier were 2 round trips in each 128-token task's epilogue.
+  constexpr u32 kPasses = kN / kPassTokens;
+  int4 late_meta[kPasses];
+  if constexpr (!kMetaEarly && !kEpilogueWarpgroup) {
+#pragma unroll
+    for (u32 pass = 0; pass < kPasses; ++pass) {
+      const u32 pass_tok0 = pass * kPassTokens;
+      const u32 left = t.num_rows > pass_tok0 ? t.num_rows - pass_tok0 : 0;
+      late_meta[pass] = load_meta(pass_tok0, left < kPassTokens ? left : kPassTokens);
+    }
+  }
   // Rounded to BF16 pairs first: half the registers stay live through the passes' stores. A pair
   // is two tokens of one channel (swap-AB) or two adjacent channels of one token (register tokens).
   u32 out[2][kNTiles][2];
@@ -395,7 +408,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
       // Each warp sends whole token rows (512 bytes) to combine[slot][token] of the source rank.
       const u32 pass_rows = t.num_rows - pass_tok0 < kPassTokens ? t.num_rows - pass_tok0 : kPassTokens;
       static_assert(kPassTokens <= 32 * kNumMmaWarps, "one row per lane and warp");
-      const int4 my_meta = kMetaEarly ? early_meta : load_meta(pass_tok0, pass_rows);
+      const int4 my_meta = kMetaEarly ? early_meta : late_meta[pass];
 #pragma unroll 1
       for (u32 i = 0, tok = warp; tok < pass_rows; ++i, tok += kNumMmaWarps) {
         int4 meta;
