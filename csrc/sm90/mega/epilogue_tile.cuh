@@ -34,7 +34,8 @@ struct HandoffHeader {
 // after the epilogue's last barrier), 5 KB of static shared memory that buy the DeepSeek-V3-like
 // 128-token build a 4th stage, when that table has the 4 rows they take (a layer of hidden or
 // intermediate size >= 512; sm90_smem.epilogue_tables_in_mainloop says the same to the host).
-// amax has two rows in every 128-token build (warpgroups: the register-token maps).
+// amax has two rows in every 128-token build (FP8 128-token builds compute their scales in the
+// lanes holding the token, expert_gemm.cuh kQuadScales, and leave it unused; host formulas keep it).
 #define MEGAMOE_EPILOGUE_TABLES_IN_MAINLOOP \
   (MEGAMOE_TILE_TOKENS == 128 && (MEGAMOE_HIDDEN >= 512 || MEGAMOE_INTERMEDIATE >= 512))
 constexpr u32 kAmaxRows = kTileTokens == 128 ? 2 : kNumMmaWarps;

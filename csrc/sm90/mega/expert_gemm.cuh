@@ -102,12 +102,17 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
   constexpr bool kRegTok = kRegisterTokens && kN == kTileTokens;  // acc in the register-token map
+  // 128-token register-token builds: all 128 channels of a token sit in one quad of lanes, so each
+  // lane gets the token's amax from two shuffles and computes its scale itself (no per-token
+  // tables in shared memory, no barrier and no one-thread-per-token pass for them).
+  constexpr bool kQuadScales = kRegTok && kRegisterTokens128;
   const u32 wt = at.tile;
   const TaskRows& t = op.rows;
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   // Thread i < tokens: token i's top-k weight, loaded now so its latency hides behind the K loop.
-  const float my_weight =
-      !kEpilogueWarpgroup && threadIdx.x < t.num_rows ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x) : 0.0f;
+  const float my_weight = !kEpilogueWarpgroup && !kQuadScales && threadIdx.x < t.num_rows
+                              ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x)
+                              : 0.0f;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
     const TaskCoord next_at = task_coord<kTiles>(table, next_task);
@@ -140,7 +145,16 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   // weight multiplies in after the amax: |s x w| rounds monotonically, so the token's amax of
   // s x w is its amax of s times |w|, exactly.
   const EpilogueTables tables = epilogue_tables(smem, mainloop);
-  if (threadIdx.x < kN) tables.weight[threadIdx.x] = my_weight;
+  if (!kQuadScales && threadIdx.x < kN) tables.weight[threadIdx.x] = my_weight;
+  // kQuadScales: the top-k weights of the thread's token rows lo / hi, loaded before the SwiGLU
+  // pass hides their latency (not before the K loop: two more registers live through it).
+  float quad_weight[2] = {0.0f, 0.0f}, quad_amax[2] = {0.0f, 0.0f};
+  if constexpr (kQuadScales) {
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h)
+      if (register_tokens_token(2 * h) < t.num_rows)
+        quad_weight[h] = ld_cg_f32(me.staging_weight() + t.first_row + register_tokens_token(2 * h));
+  }
   // The clamp is the same for the whole call: one branch around the pass instead of a predicate
   // on each of its min / max and clamp loads (3 per channel, issued also when off).
   const auto swiglu_pass = [&](auto clamp_tag) {
@@ -174,7 +188,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
           float m = tok_amax[h];
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          if (t4 == 0) tables.amax[kRegisterTokens128 ? 0 : warp / 4][register_tokens_token(2 * h)] = m;
+          if constexpr (kQuadScales) quad_amax[h] = m;  // every lane of the quad
+          else if (t4 == 0) tables.amax[warp / 4][register_tokens_token(2 * h)] = m;
         }
       }
     } else {
@@ -204,14 +219,25 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   };
   if (p.has_clamp) swiglu_pass(BoolConstant<true>{});
   else swiglu_pass(BoolConstant<false>{});
-  __syncthreads();
-  if constexpr (kFP8) {
+  float quad_inv_scale[2] = {0.0f, 0.0f};
+  if constexpr (kQuadScales) {  // the scale as the one-thread-per-token pass below computes it
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+      const u32 tok = register_tokens_token(2 * h);
+      const float scale = fmaxf(quad_amax[h] * fabsf(quad_weight[h]), kAmaxFloor) * (1.0f / kFP8Max);
+      quad_inv_scale[h] = 1.0f / scale;
+      if (t4 == 0 && tok < t.num_rows)
+        me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
+    }
+  }
+  __syncthreads();  // every warp's K loop done with the stage the tile below overwrites
+  if constexpr (kFP8 && !kQuadScales) {
     // One thread per token: the scale (one division per token) for every thread's values.
     if (threadIdx.x < kN) {
       const u32 tok = threadIdx.x;
       float m = 0.0f;
 #pragma unroll
-      for (u32 w = 0; w < (kRegTok ? (kRegisterTokens128 ? 1 : 2) : kNumMmaWarps); ++w)  // warpgroups or warps
+      for (u32 w = 0; w < (kRegTok ? 2 : kNumMmaWarps); ++w)  // warpgroups or warps
         m = fmaxf(m, tables.amax[w][tok]);
       const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
       tables.inv_scale[tok] = 1.0f / scale;
@@ -226,8 +252,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
       const u32 tok = register_tokens_token(2 * h);
-      const float w = tables.weight[tok];
-      const float inv_scale = tables.inv_scale[tok];  // (the register-token loop is FP8 only)
+      const float w = kQuadScales ? quad_weight[h] : tables.weight[tok];
+      const float inv_scale = kQuadScales ? quad_inv_scale[h] : tables.inv_scale[tok];  // (register tokens: FP8 only)
 #pragma unroll
       for (u32 mt = 0; mt < kRtGroups; ++mt) {
         const float(&v)[32] = rt_group(acc, mt);
