@@ -319,6 +319,66 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   l1_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
 }
 
+// One step of a 4 x 4 transpose within a quad of lanes (slot j of lane t -> slot t of lane j after
+// the steps for bits 0 and 1): the slot pairs that differ in `bit`, each lane giving away the one
+// whose bit differs from its own and taking its partner's.
+template <u32 kBit>
+MEGAMOE_DEVICE void quad_transpose_step(u32 (&a)[4]) {
+  constexpr u32 m = 1u << kBit;
+  const bool mine_high = (threadIdx.x >> kBit) & 1u;
+#pragma unroll
+  for (u32 j0 = 0; j0 < 4; ++j0) {
+    if (j0 & m) continue;
+    const u32 j1 = j0 | m;
+    const u32 got = __shfl_xor_sync(0xffffffffu, mine_high ? a[j0] : a[j1], m);
+    if (mine_high) a[j0] = got;
+    else a[j1] = got;
+  }
+}
+
+// FP8 128-token builds' L2 epilogue, straight from the registers: no shared-memory tile, no
+// barrier (the next task refills this task's last stage only after its own first CTA barrier).
+// The quad of lanes holding a token holds 64 of its channels per row group as BF16 pairs, lane
+// t4 channels 8 c + 2 t4, + 1 (register_tokens_row); a transpose of each 4 x 4 block within the
+// quad gives every lane 16 contiguous bytes, so a warp's store writes 64 contiguous bytes of
+// each of its 8 token rows into combine[slot][token] of the token's rank.
+MEGAMOE_DEVICE void l2_rows_from_registers(const WarpAcc& acc, const TaskRows& t, u32 ht, const Params& p,
+                                           const Regions& me) {
+  const u32 t4 = threadIdx.x % 4;
+  int4 meta[2];
+#pragma unroll
+  for (u32 h = 0; h < 2; ++h) {  // the thread's token rows lo / hi (register_tokens_token)
+    const u32 tok = register_tokens_token(2 * h);
+    meta[h] = tok < t.num_rows ? __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + t.first_row + tok)
+                               : make_int4(0, 0, 0, 0);
+  }
+  u32 out[2][kRtGroups][8];  // [token lo / hi][row group][chunk of 8 channels]: BF16 pairs, before the loads return
+#pragma unroll
+  for (u32 g = 0; g < kRtGroups; ++g) {
+    const float(&v)[32] = rt_group(acc, g);
+#pragma unroll
+    for (u32 c = 0; c < 8; ++c)
+#pragma unroll
+      for (u32 h = 0; h < 2; ++h) out[h][g][c] = pack_bf16x2(v[4 * c + 2 * h], v[4 * c + 2 * h + 1]);
+  }
+#pragma unroll
+  for (u32 h = 0; h < 2; ++h) {
+    const bool valid = register_tokens_token(2 * h) < t.num_rows;  // the same in the quad
+    const Regions src{p.peers[valid ? meta[h].x : 0]};
+    u16* row = src.combine() + (static_cast<u64>(meta[h].z) * kMaxTokens + meta[h].y) * kBufHidden + ht * kTileRows;
+#pragma unroll
+    for (u32 g = 0; g < kRtGroups; ++g)
+#pragma unroll
+      for (u32 c0 = 0; c0 < 8; c0 += 4) {
+        u32 a[4] = {out[h][g][c0], out[h][g][c0 + 1], out[h][g][c0 + 2], out[h][g][c0 + 3]};
+        quad_transpose_step<0>(a);
+        quad_transpose_step<1>(a);  // a: chunk c0 + t4, its 8 channels from lanes 0..3 in order
+        if (valid)
+          *reinterpret_cast<uint4*>(row + kRegisterTokensGroupRows * g + 8 * (c0 + t4)) = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+  }
+}
+
 // One L2 task once its token block is ready: the K loop and epilogue over the first kN token
 // columns (kTileTokens, or kNarrowTokens when the block holds no more rows). `next_at`: the
 // next task, streamed into when `stream_next` (there is one and its token block is ready).
@@ -357,6 +417,12 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   if constexpr ((kAblate & kAblateEpilogue) && !kEpilogueWarpgroup) {  // profiling: no inline epilogue
     if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;  // never true: keeps the wgmmas
     __syncthreads();  // (the next task refills this task's last stage only after its first CTA barrier)
+    span_end(p, clock, kSpanL2Epilogue);
+    span_count(p, clock, kSpanL2Tasks);
+    return;
+  }
+  if constexpr (kRegTok && kRegisterTokens128) {
+    l2_rows_from_registers(acc, t, ht, p, me);
     span_end(p, clock, kSpanL2Epilogue);
     span_count(p, clock, kSpanL2Tasks);
     return;
