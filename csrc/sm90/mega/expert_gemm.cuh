@@ -92,6 +92,65 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
           me.staging_l2_scale(), kBufInter / kScaleBlock};
 }
 
+// One step of a 4 x 4 transpose within a quad of lanes (slot j of lane t -> slot t of lane j after
+// the steps for bits 0 and 1): the slot pairs that differ in `bit`, each lane giving away the one
+// whose bit differs from its own and taking its partner's.
+template <u32 kBit>
+MEGAMOE_DEVICE void quad_transpose_step(u32 (&a)[4]) {
+  constexpr u32 m = 1u << kBit;
+  const bool mine_high = (threadIdx.x >> kBit) & 1u;
+#pragma unroll
+  for (u32 j0 = 0; j0 < 4; ++j0) {
+    if (j0 & m) continue;
+    const u32 j1 = j0 | m;
+    const u32 got = __shfl_xor_sync(0xffffffffu, mine_high ? a[j0] : a[j1], m);
+    if (mine_high) a[j0] = got;
+    else a[j1] = got;
+  }
+}
+
+// FP8 128-token builds' L1 output rows straight from the registers (no tile, no barrier before
+// the stores). The quad holding a token holds its 128 channels, lane t4 the FP8 pair at channels
+// 32 mt + 8 m + 2 t4 (mt: row group, m: gate block, register_tokens_row); packed as 16-channel
+// chunks j (mt = j / 2, m = 2 (j % 2) + {0, 1}) and j + 4, a 4 x 4 transpose within the quad
+// gives lane t4 chunks t4 and t4 + 4: a warp's two stores write 64 contiguous bytes of each of
+// its 8 token rows. Values as the tile path computes them ((v w) / scale, e4m3 pairs).
+MEGAMOE_DEVICE void l1_rows_from_registers(const WarpAcc& acc, const TaskRows& t, u32 wt, const float (&weight)[2],
+                                           const float (&inv_scale)[2], const Regions& me) {
+  const u32 t4 = threadIdx.x % 4;
+#pragma unroll
+  for (u32 h = 0; h < 2; ++h) {  // the thread's token rows lo / hi
+    u32 pairs[kRtGroups][4];      // [mt][m]: e4m3 pairs in the low 16 bits
+#pragma unroll
+    for (u32 mt = 0; mt < kRtGroups; ++mt) {
+      const float(&v)[32] = rt_group(acc, mt);
+#pragma unroll
+      for (u32 m = 0; m < 4; ++m) {
+        const float v0 = v[8 * m + 2 * h] * weight[h], v1 = v[8 * m + 2 * h + 1] * weight[h];
+        pairs[mt][m] = f32x2_to_e4m3x2(v0 * inv_scale[h], v1 * inv_scale[h]);
+      }
+    }
+    u32 lo[4], hi[4];  // chunks j and j + 4 of the row, two pairs each (m even | m odd << 16)
+#pragma unroll
+    for (u32 j = 0; j < 4; ++j) {
+      lo[j] = pairs[j / 2][2 * (j % 2)] | (pairs[j / 2][2 * (j % 2) + 1] << 16);
+      hi[j] = pairs[2 + j / 2][2 * (j % 2)] | (pairs[2 + j / 2][2 * (j % 2) + 1] << 16);
+    }
+    quad_transpose_step<0>(lo), quad_transpose_step<1>(lo);  // lo[k]: lane k's part of chunk t4
+    quad_transpose_step<0>(hi), quad_transpose_step<1>(hi);
+    const u32 tok = register_tokens_token(2 * h);
+    if (tok < t.num_rows) {  // chunk bytes 2 k: lane k's even-m pair, 8 + 2 k: its odd-m pair
+      u8* row = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * 128;
+      *reinterpret_cast<uint4*>(row + 16 * t4) =
+          make_uint4(__byte_perm(lo[0], lo[1], 0x5410), __byte_perm(lo[2], lo[3], 0x5410),
+                     __byte_perm(lo[0], lo[1], 0x7632), __byte_perm(lo[2], lo[3], 0x7632));
+      *reinterpret_cast<uint4*>(row + 64 + 16 * t4) =
+          make_uint4(__byte_perm(hi[0], hi[1], 0x5410), __byte_perm(hi[2], hi[3], 0x5410),
+                     __byte_perm(hi[0], hi[1], 0x7632), __byte_perm(hi[2], hi[3], 0x7632));
+    }
+  }
+}
+
 // One L1 task from its coordinate and operands on: the K loop and epilogue over the first kN
 // token columns (kTileTokens, or kNarrowTokens when the block holds no more rows).
 template <u32 kN>
@@ -230,6 +289,14 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
         me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
     }
   }
+  if constexpr (kQuadScales) {  // FP8 128-token builds: the rows straight from the registers
+    l1_rows_from_registers(acc, t, wt, quad_weight, quad_inv_scale, me);
+    __syncthreads();  // every thread's rows stored before the tile is published
+    if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+    span_end(p, clock, kSpanL1Epilogue);
+    span_count(p, clock, kSpanL1Tasks);
+    return;
+  }
   __syncthreads();  // every warp's K loop done with the stage the tile below overwrites
   if constexpr (kFP8 && !kQuadScales) {
     // One thread per token: the scale (one division per token) for every thread's values.
@@ -317,23 +384,6 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
     }
   }
   l1_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
-}
-
-// One step of a 4 x 4 transpose within a quad of lanes (slot j of lane t -> slot t of lane j after
-// the steps for bits 0 and 1): the slot pairs that differ in `bit`, each lane giving away the one
-// whose bit differs from its own and taking its partner's.
-template <u32 kBit>
-MEGAMOE_DEVICE void quad_transpose_step(u32 (&a)[4]) {
-  constexpr u32 m = 1u << kBit;
-  const bool mine_high = (threadIdx.x >> kBit) & 1u;
-#pragma unroll
-  for (u32 j0 = 0; j0 < 4; ++j0) {
-    if (j0 & m) continue;
-    const u32 j1 = j0 | m;
-    const u32 got = __shfl_xor_sync(0xffffffffu, mine_high ? a[j0] : a[j1], m);
-    if (mine_high) a[j0] = got;
-    else a[j1] = got;
-  }
 }
 
 // FP8 128-token builds' L2 epilogue, straight from the registers: no shared-memory tile, no
