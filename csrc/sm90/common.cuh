@@ -28,13 +28,6 @@ __host__ __device__ constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 template <typename T>
 __host__ __device__ constexpr T align_up(T a, T b) { return ceil_div(a, b) * b; }
 
-// A bool as a type, to pick a generic lambda's compile-time branch from a runtime flag once
-// (NVRTC builds without the standard library's <type_traits>).
-template <bool B>
-struct BoolConstant {
-  static constexpr bool value = B;
-};
-
 }  // namespace megamoe
 
 // Waits on mbarriers give up after this many SM clock cycles (about 10 s at 1.98 GHz) and trap

@@ -151,6 +151,46 @@ MEGAMOE_DEVICE void l1_rows_from_registers(const WarpAcc& acc, const TaskRows& t
   }
 }
 
+// SwiGLU in place: the activation replaces each channel's gate value in acc (a separate array
+// spills with 128-token tiles); tok_amax gets the thread's per-token max |activation| (register
+// tokens: [0][token row lo / hi]; swap-AB: [n8 tile][column j]). The gate and up rows of a channel
+// sit in the same thread (swap-AB: fragment rows g and g + 8 of each m16 tile; register tokens:
+// n8 column blocks 2 m and 2 m + 1). A template on kClamp, not a generic lambda: NVRTC 13.0 takes
+// a generic lambda's call operator for host code.
+template <bool kClamp, bool kRegTok, u32 kNTiles>
+MEGAMOE_DEVICE void swiglu_in_place(WarpAcc& acc, float clamp, float (&tok_amax)[kRegTok ? 1 : kNTiles][2]) {
+  const auto swiglu = [&](float& gate_io, float up_in) {
+    float gate = gate_io, up = up_in;
+    round_bf16x2(gate, up);
+    if constexpr (kClamp) {
+      gate = fminf(gate, clamp);
+      up = fminf(fmaxf(up, -clamp), clamp);
+    }
+    gate_io = silu(gate) * up;
+    return fabsf(gate_io);
+  };
+  if constexpr (kRegTok) {
+    tok_amax[0][0] = tok_amax[0][1] = 0.0f;
+#pragma unroll
+    for (u32 mt = 0; mt < kRtGroups; ++mt) {
+      float(&v)[32] = rt_group(acc, mt);
+#pragma unroll
+      for (u32 m = 0; m < 4; ++m)
+#pragma unroll
+        for (u32 k = 0; k < 4; ++k) tok_amax[0][k / 2] = fmaxf(tok_amax[0][k / 2], swiglu(v[8 * m + k], v[8 * m + 4 + k]));
+    }
+  } else {
+#pragma unroll
+    for (u32 nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (u32 j = 0; j < 2; ++j) {
+        tok_amax[nt][j] = 0.0f;
+#pragma unroll
+        for (u32 mt = 0; mt < 2; ++mt) tok_amax[nt][j] = fmaxf(tok_amax[nt][j], swiglu(acc.v[mt][nt][j], acc.v[mt][nt][2 + j]));
+      }
+  }
+}
+
 // One L1 task from its coordinate and operands on: the K loop and epilogue over the first kN
 // token columns (kTileTokens, or kNarrowTokens when the block holds no more rows).
 template <u32 kN>
@@ -198,11 +238,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     return;
   }
 
-  // SwiGLU: the gate and up rows of a channel sit in the same thread (swap-AB: fragment rows g and
-  // g + 8 of each m16 tile; register tokens: n8 column blocks 2 m and 2 m + 1). The activation
-  // replaces the gate value in acc (a separate array spills with 128-token tiles). The top-k
-  // weight multiplies in after the amax: |s x w| rounds monotonically, so the token's amax of
-  // s x w is its amax of s times |w|, exactly.
+  // SwiGLU in place (swiglu_in_place). The top-k weight multiplies in after the amax: |s x w|
+  // rounds monotonically, so the token's amax of s x w is its amax of s times |w|, exactly.
   const EpilogueTables tables = epilogue_tables(smem, mainloop);
   if (!kQuadScales && threadIdx.x < kN) tables.weight[threadIdx.x] = my_weight;
   // kQuadScales: the top-k weights of the thread's token rows lo / hi, loaded before the SwiGLU
@@ -216,68 +253,33 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   // The clamp is the same for the whole call: one branch around the pass instead of a predicate
   // on each of its min / max and clamp loads (3 per channel, issued also when off).
-  const auto swiglu_pass = [&](auto clamp_tag) {
-    constexpr bool kClamp = decltype(clamp_tag)::value;
-    const float clamp = kClamp ? p.clamp : 0.0f;
-    const auto swiglu = [&](float& gate_io, float up_in) {
-      float gate = gate_io, up = up_in;
-      round_bf16x2(gate, up);
-      if constexpr (kClamp) {
-        gate = fminf(gate, clamp);
-        up = fminf(fmaxf(up, -clamp), clamp);
-      }
-      gate_io = silu(gate) * up;
-      return fabsf(gate_io);
-    };
-    if constexpr (kRegTok) {
-      float tok_amax[2] = {0.0f, 0.0f};  // the thread's token rows lo / hi
+  float tok_amax[kRegTok ? 1 : kNTiles][2];
+  if (p.has_clamp) swiglu_in_place<true, kRegTok, kNTiles>(acc, p.clamp, tok_amax);
+  else swiglu_in_place<false, kRegTok, kNTiles>(acc, 0.0f, tok_amax);
+  if constexpr (kFP8 && kRegTok) {
+    // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below, 64-token
+    // tiles) the two warpgroups; with 128 tokens a warpgroup holds all channels of its tokens.
 #pragma unroll
-      for (u32 mt = 0; mt < kRtGroups; ++mt) {
-        float(&v)[32] = rt_group(acc, mt);
-#pragma unroll
-        for (u32 m = 0; m < 4; ++m)
-#pragma unroll
-          for (u32 k = 0; k < 4; ++k) tok_amax[k / 2] = fmaxf(tok_amax[k / 2], swiglu(v[8 * m + k], v[8 * m + 4 + k]));
-      }
-      if constexpr (kFP8) {
-        // Per-token amax over the tile's 128 channels: the quad's 4 lanes, then (below, 64-token
-        // tiles) the two warpgroups; with 128 tokens a warpgroup holds all channels of its tokens.
-#pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-          float m = tok_amax[h];
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          if constexpr (kQuadScales) quad_amax[h] = m;  // every lane of the quad
-          else if (t4 == 0) tables.amax[warp / 4][register_tokens_token(2 * h)] = m;
-        }
-      }
-    } else {
-      float tok_amax[kNTiles][2];
-#pragma unroll
-      for (u32 nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (u32 j = 0; j < 2; ++j) {
-          tok_amax[nt][j] = 0.0f;
-#pragma unroll
-          for (u32 mt = 0; mt < 2; ++mt) tok_amax[nt][j] = fmaxf(tok_amax[nt][j], swiglu(acc.v[mt][nt][j], acc.v[mt][nt][2 + j]));
-        }
-      if constexpr (kFP8) {
-        // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
-#pragma unroll
-        for (u32 nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (u32 j = 0; j < 2; ++j) {
-            float m = tok_amax[nt][j];
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-            if (g == 0) tables.amax[warp][nt * 8 + 2 * t4 + j] = m;
-          }
-      }
+    for (u32 h = 0; h < 2; ++h) {
+      float m = tok_amax[0][h];
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if constexpr (kQuadScales) quad_amax[h] = m;  // every lane of the quad
+      else if (t4 == 0) tables.amax[warp / 4][register_tokens_token(2 * h)] = m;
     }
-  };
-  if (p.has_clamp) swiglu_pass(BoolConstant<true>{});
-  else swiglu_pass(BoolConstant<false>{});
+  } else if constexpr (kFP8) {
+    // Per-token amax over the tile's 128 channels: across g in the warp, then (below) across warps.
+#pragma unroll
+    for (u32 nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (u32 j = 0; j < 2; ++j) {
+        float m = tok_amax[nt][j];
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if (g == 0) tables.amax[warp][nt * 8 + 2 * t4 + j] = m;
+      }
+  }
   float quad_inv_scale[2] = {0.0f, 0.0f};
   if constexpr (kQuadScales) {  // the scale as the one-thread-per-token pass below computes it
 #pragma unroll
