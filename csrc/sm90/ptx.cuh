@@ -127,4 +127,15 @@ MEGAMOE_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 smem_address) {
                : "memory");
 }
 
+// Four 8x8 matrices of 16-bit elements into shared memory, transposed (stmatrix.x4.trans): thread
+// t gives, in r[m], elements (row t / 4, columns 2 (t % 4) and + 1) of matrix m (an MMA
+// accumulator fragment, low half first); lane l gives the address of memory row l % 8 of matrix
+// l / 8 (16 bytes), which receives column l % 8 of the matrix.
+MEGAMOE_DEVICE void stmatrix_x4_trans(u32 smem_address, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               :
+               : "r"(smem_address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 }  // namespace megamoe

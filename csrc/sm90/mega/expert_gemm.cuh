@@ -335,6 +335,25 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
         }
       }
     }
+  } else if constexpr (!kFP8) {
+    // BF16: matrix (mt, nt) of the fragment is 8 channels (acc_row_base / 2 + g) x 8 tokens, thread
+    // (g, t4) holding tokens 2 t4 and + 1 of channel g: one transposed stmatrix writes 8 channels
+    // (16 bytes) of each of 8 token rows, for 4 such matrices (two n8 tiles x two m16 tiles).
+    static_assert(kNTiles % 2 == 0, "the matrices go out in pairs of n8 tiles");
+#pragma unroll
+    for (u32 nt0 = 0; nt0 < kNTiles; nt0 += 2) {
+      u32 r[4];  // matrix m: n8 tile nt0 + m / 2, m16 tile m % 2
+#pragma unroll
+      for (u32 dn = 0; dn < 2; ++dn) {
+        const u32 tok = (nt0 + dn) * 8 + 2 * t4;
+        const float w0 = tables.weight[tok], w1 = tables.weight[tok + 1];
+#pragma unroll
+        for (u32 mt = 0; mt < 2; ++mt) r[2 * dn + mt] = pack_bf16x2(acc.v[mt][nt0 + dn][0] * w0, acc.v[mt][nt0 + dn][1] * w1);
+      }
+      const u32 m = lane / 8;  // the matrix whose row (token) this lane addresses
+      const u32 tok = (nt0 + m / 2) * 8 + lane % 8, channel = acc_row_base(warp, m % 2) / 2;
+      stmatrix_x4_trans(smem_addr(tile + epilogue_offset(tok, channel * 2, 128 * 2)), r);
+    }
   } else {
 #pragma unroll
     for (int nt = 0; nt < static_cast<int>(kNTiles); ++nt)
@@ -342,17 +361,12 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       for (int j = 0; j < 2; ++j) {
         const u32 tok = nt * 8 + 2 * t4 + j;
         const float w = tables.weight[tok];
-        const float inv_scale = kFP8 ? tables.inv_scale[tok] : 1.0f;  // read before the tile stores (may alias)
+        const float inv_scale = tables.inv_scale[tok];  // read before the tile stores (may alias)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const u32 channel = acc_row_base(warp, mt) / 2 + g;  // rows base+g (gate) and base+g+8 (up)
           const float v = acc.v[mt][nt][j] * w;
-          const u32 at = epilogue_offset(tok, channel * kElemBytes, 128 * kElemBytes);
-          if constexpr (kFP8) {
-            tile[at] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
-          } else {
-            *reinterpret_cast<u16*>(tile + at) = f32_to_bf16(v);
-          }
+          tile[epilogue_offset(tok, channel, 128)] = static_cast<u8>(f32x2_to_e4m3x2(v * inv_scale, 0.0f) & 0xff);
         }
       }
   }
@@ -524,17 +538,17 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
             }
       }
     } else {
+      // out[mt][nt][h]: matrix (mt, h) of n8 tile nt is 8 channels (acc_row_base + 8 h + g) x 8
+      // tokens, thread (g, t4) holding tokens 2 t4 and + 1: one transposed stmatrix writes 8
+      // channels (16 bytes) of each of the tile's 8 token rows, for its 4 matrices.
+      const u32 m = lane / 8;  // the matrix (mt = m / 2, h = m % 2) whose row (token) this lane addresses
+      const u32 channel = acc_row_base(warp, m / 2) + 8 * (m % 2);
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (u32 pt = 0; pt < kPassTiles; ++pt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const u32 channel = acc_row_base(warp, mt) + g + (j >= 2 ? 8 : 0);
-            const u32 tok = pt * 8 + 2 * t4 + (j & 1);
-            *reinterpret_cast<u16*>(tile + epilogue_offset(tok, channel * 2, kTileRows * 2)) =
-                static_cast<u16>(out[mt][pass * kPassTiles + pt][j / 2] >> (16 * (j & 1)));
-          }
+      for (u32 pt = 0; pt < kPassTiles; ++pt) {
+        const u32 nt = pass * kPassTiles + pt;
+        const u32 r[4] = {out[0][nt][0], out[0][nt][1], out[1][nt][0], out[1][nt][1]};
+        stmatrix_x4_trans(smem_addr(tile + epilogue_offset(pt * 8 + lane % 8, channel * 2, kTileRows * 2)), r);
+      }
     }
   };
   if constexpr (kEpilogueWarpgroup) {  // one pass (64 tokens); the epilogue warpgroup sends the rows
