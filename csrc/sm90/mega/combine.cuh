@@ -45,7 +45,7 @@ MEGAMOE_DEVICE void reduce_combine(const Params& p, const Regions& me) {
     u32* o = reinterpret_cast<u32*>(&out);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      o[e] = static_cast<u32>(f32_to_bf16(sum[2 * e])) | (static_cast<u32>(f32_to_bf16(sum[2 * e + 1])) << 16);
+      o[e] = pack_bf16x2(sum[2 * e], sum[2 * e + 1]);
     reinterpret_cast<uint4*>(p.y + static_cast<u64>(token) * kHidden)[c] = out;
   }
 }

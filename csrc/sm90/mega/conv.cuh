@@ -5,12 +5,6 @@
 
 namespace megamoe::mega {
 
-MEGAMOE_DEVICE u16 f32_to_bf16(float v) {
-  u16 h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-}
-
 MEGAMOE_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float(static_cast<u32>(h) << 16); }
 
 // Both values rounded to BF16 (nearest even) by one packed cvt (F2FP): single cvts ran on the

@@ -515,7 +515,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        out[mt][nt][h] = f32_to_bf16(acc.v[mt][nt][2 * h]) | (static_cast<u32>(f32_to_bf16(acc.v[mt][nt][2 * h + 1])) << 16);
+        out[mt][nt][h] = pack_bf16x2(acc.v[mt][nt][2 * h], acc.v[mt][nt][2 * h + 1]);
   static_assert(!kRegTok || kN == kL2PassTokens || kRegisterTokens128, "the 64-token register-token map takes one pass");
   u8* tile = epilogue_tile(smem, mainloop, st);  // [pass tokens][256 channels] bf16, chunks permuted (epilogue_offset)
   constexpr u32 kPassTiles = kPassTokens / 8;
