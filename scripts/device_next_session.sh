@@ -25,6 +25,8 @@
 #   STEP=tree128 a csrc tree (TREE) at 128-token tiles against this tree: its tests, shared-GPU multi-rank,
 #                graph times side by side, sanitizers (one H200)
 #   STEP=epilogue_cost graph times with and without the GEMM epilogues (FORMAT, default bf16), one GPU
+#   STEP=stream  the operand stream alone, with and without 2-CTA weight / token multicast
+#                (benchmarks/stream_probe.py; its GPU test first), weights from HBM and from L2, one GPU
 #   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
 #                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
 #                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
@@ -175,6 +177,13 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-bf16} --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants tile=128 tile=128,ablate=epilogue tile=64 tile=64,ablate=epilogue \
       --out "$OUT/probe_epilogue_${FORMAT:-bf16}.json" 2>&1 | tail -30 ;;
+  stream)   # ~1 min, one H200: does a cluster sharing the weight box stream chunks faster (kernel_notes v22)?
+    timeout 120 python3 -m pytest $T tests/gpu/test_stream_multicast.py > "$OUT/stream_tests.log" 2>&1
+    tail -2 "$OUT/stream_tests.log"
+    for tiles in 512 16; do  # 512 MB of weights (HBM), 16 MB (L2-resident)
+      timeout 120 python3 -m benchmarks.stream_probe --tiles $tiles ${CONFIGS:+--configs $CONFIGS} \
+        --out "$OUT/stream_probe_tiles$tiles.json" 2>&1 | tail -7
+    done ;;
   trace)    # ~4 min: the chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE, phase_clock.chunk_trace): SM cycles of
             # each interval of a few K chunks of one L1 task per CTA (stage wait, wgmma issues and waits,
             # promotions, CTA barrier, refill), next to the untraced build, with and without copies

@@ -72,6 +72,29 @@ MEGAMOE_DEVICE void mbarrier_wait(u64* bar, u32 parity, int tag) {
   }
 }
 
+// ---------------------------------------------------------------- clusters
+MEGAMOE_DEVICE u32 cluster_cta_rank() {
+  u32 rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Every thread of the cluster's CTAs (warp-converged) arrives and waits for all: shared-memory
+// writes and mbarrier initialisations before it are visible cluster-wide after it.
+MEGAMOE_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// One arrival on the mbarrier at `bar`'s shared-memory offset in the cluster's CTA `cta` (this
+// CTA included), released at cluster scope: this thread's reads of the stage it guards are done.
+MEGAMOE_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
 // ---------------------------------------------------------------- fences and barriers
 // Orders global-memory writes seen through the generic proxy (other CTAs' stores, acquired)
 // before this thread's later async-proxy (TMA) reads of the same memory.

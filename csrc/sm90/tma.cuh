@@ -19,6 +19,16 @@ MEGAMOE_DEVICE void tma_load_2d(const TensorMap* map, void* smem_dst, u64* bar, 
       : "memory");
 }
 
+// tma_load_2d's box written at `smem_dst`'s offset in every CTA of the cluster named in `cta_mask`
+// (a bit per rank), each completing the bytes on its own mbarrier at `bar`'s offset.
+MEGAMOE_DEVICE void tma_load_2d_multicast(const TensorMap* map, void* smem_dst, u64* bar, int c0, int c1, u16 cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<u64>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+
 // Box at coordinates (c0 innermost, c1, c2) of a 3-D tensor map.
 MEGAMOE_DEVICE void tma_load_3d(const TensorMap* map, void* smem_dst, u64* bar, int c0, int c1, int c2) {
   asm volatile(

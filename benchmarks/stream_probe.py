@@ -1,0 +1,199 @@
+"""How fast an SM's stages fill with the fused SM90 kernel's operand boxes (TMA, no math), alone or in
+2-CTA clusters that multicast one operand to both CTAs (csrc/sm90/probe/stream_rate.cu).
+
+    python -m benchmarks.stream_probe --out stream_probe.json       # one GPU, ~30 s
+    python -m benchmarks.stream_probe --compile-only                 # no GPU: the builds compile
+
+The question (docs/kernel_notes.md v19, v22): without any wgmma the FP8 prefill L1 tasks still take
+0.73-0.83 of their time, so the operand stream bounds the K loop. If the bound is what the L2 cache
+hands out, a weight box shared by a cluster's two CTAs (each loading half, multicast) cuts the time
+per chunk; if it is what an SM takes in, the chunk takes as long as before.
+
+A config is TOKENS:CLUSTER:SHARE: a chunk of 256 weight rows and TOKENS token rows of 128 bytes,
+CLUSTER CTAs per cluster (1 or 2), SHARE 0 (each CTA loads its own boxes), 1 (the pair shares
+the weight box: each CTA loads 128 rows multicast) or 2 (the pair shares the token box). Tasks go out
+as the fused kernel's queue hands them (`--blocks` consecutive tasks per weight tile; SHARE 2 pairs
+tasks over two tiles of one token block). The weights span `--tiles` tiles (HBM-sized by default),
+the tokens `--blocks` blocks (L2-resident). Each row gives SM cycles per chunk (the median CTA),
+the bytes that land in an SM's stages per cycle and those it fetched itself from L2 per cycle, the
+GPU's fetch rate, and whether every CTA ran at once (a cluster launch can leave SMs idle).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+
+SOURCE, ENTRY = "sm90/probe/stream_rate.cu", "megamoe_stream_rate"
+CONFIGS = ("128:1:0", "128:2:0", "128:2:1", "128:2:2", "64:1:0", "64:2:1")
+WEIGHT_ROWS, ROW_BYTES = 256, 128
+
+
+def parse_config(text: str) -> dict:
+    """'128:2:1' -> dict(tokens=128, cluster=2, share=1). Errors name the bad field."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"config {text!r}: expected TOKENS:CLUSTER:SHARE, e.g. 128:2:1")
+    tokens, cluster, share = map(int, parts)
+    if tokens not in (32, 64, 128):
+        raise ValueError(f"config {text!r}: TOKENS={tokens} must be 32, 64 or 128 (the fused kernel's token tiles)")
+    if cluster not in (1, 2):
+        raise ValueError(f"config {text!r}: CLUSTER={cluster} must be 1 or 2")
+    if share not in (0, 1, 2) or (share and cluster != 2):
+        raise ValueError(f"config {text!r}: SHARE={share} must be 0, or 1 / 2 with CLUSTER=2")
+    return dict(tokens=tokens, cluster=cluster, share=share)
+
+
+def stage_bytes(cfg: dict) -> int:
+    """One chunk's boxes as they land in a CTA's stage (stream_rate.cu kStageBytes)."""
+    return (WEIGHT_ROWS + cfg["tokens"]) * ROW_BYTES
+
+
+def fetched_bytes(cfg: dict) -> int:
+    """What one CTA loads from global memory per chunk: a shared box counts half."""
+    weight, tokens = WEIGHT_ROWS * ROW_BYTES, cfg["tokens"] * ROW_BYTES
+    return weight // (2 if cfg["share"] == 1 else 1) + tokens // (2 if cfg["share"] == 2 else 1)
+
+
+def smem_bytes(cfg: dict, stages: int) -> int:
+    """Dynamic shared memory: the stages and 1 KB to align them for the 128-byte swizzle."""
+    return stages * stage_bytes(cfg) + 1024
+
+
+def check_sizes(cfg: dict, stages: int, tiles: int, blocks: int, ctas: int) -> None:
+    if smem_bytes(cfg, stages) > 227 * 1024:
+        raise ValueError(f"{stages} stages of {stage_bytes(cfg)} bytes need {smem_bytes(cfg, stages)} bytes of shared "
+                         "memory (an SM90 CTA has 232448); use fewer --stages")
+    if cfg["share"] == 1 and blocks % 2:
+        raise ValueError(f"SHARE=1 pairs tasks on one weight tile: --blocks must be even, got {blocks}")
+    if cfg["share"] == 2 and tiles % 2:
+        raise ValueError(f"SHARE=2 pairs tasks over two weight tiles: --tiles must be even, got {tiles}")
+    if ctas % cfg["cluster"]:
+        raise ValueError(f"--ctas={ctas} is not a multiple of the cluster size {cfg['cluster']}")
+
+
+def spec(cfg: dict, stages: int, chunks: int, checksum: bool = False):
+    from vllm_megamoe.kernels import jit
+    return jit.KernelSpec.make(SOURCE, ENTRY, dict(PROBE_TOKENS=cfg["tokens"], PROBE_STAGES=stages, PROBE_CHUNKS=chunks,
+                                                   PROBE_CLUSTER=cfg["cluster"], PROBE_SHARE=cfg["share"],
+                                                   PROBE_CHECKSUM=int(checksum)))
+
+
+def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, blocks: int) -> list[int]:
+    """Each CTA's sum of the 32-bit words of every chunk it consumed (mod 2**32): a task's chunks
+    hold its weight tile's and token block's rows whole, whatever the swizzle or who loaded them."""
+    import torch
+    tiles = weights.shape[0] // WEIGHT_ROWS
+    tile_sums = weights.view(torch.int32).to(torch.int64).view(tiles, -1).sum(1).tolist()
+    block_sums = tokens.view(torch.int32).to(torch.int64).view(blocks, -1).sum(1).tolist()
+    out = []
+    for cta in range(ctas):
+        total = 0
+        for t in range(tasks):
+            g = t * ctas + cta
+            if cfg["share"] == 2:
+                tile, block = (2 * (g // (2 * blocks)) + g % 2) % tiles, (g // 2) % blocks
+            else:
+                tile, block = (g // blocks) % tiles, g % blocks
+            total += tile_sums[tile] + block_sums[block]
+        out.append(total % 2**32)
+    return out
+
+
+def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int, ctas: int | None = None,
+        checksum: bool = False) -> dict:
+    import torch
+
+    from vllm_megamoe.kernels import jit, tma
+
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ctas = ctas or sms - sms % cfg["cluster"]
+    check_sizes(cfg, stages, tiles, blocks, ctas)
+    kernel = jit.get_kernel(spec(cfg, stages, chunks, checksum), dev)
+    k_bytes = chunks * ROW_BYTES
+    weights = torch.randint(0, 256, (tiles * WEIGHT_ROWS, k_bytes), dtype=torch.uint8, device="cuda")
+    tokens = torch.randint(0, 256, (blocks * cfg["tokens"], k_bytes), dtype=torch.uint8, device="cuda")
+    w_map = tma.make_tensor_map(weights, (ROW_BYTES, WEIGHT_ROWS // (2 if cfg["share"] == 1 else 1)))
+    t_map = tma.make_tensor_map(tokens, (ROW_BYTES, cfg["tokens"] // (2 if cfg["share"] == 2 else 1)))
+    cycles = torch.zeros(ctas, dtype=torch.int64, device="cuda")
+    ns = torch.zeros(2 * ctas, dtype=torch.int64, device="cuda")
+    sums = torch.zeros(ctas, dtype=torch.int32, device="cuda")
+
+    def launch(n_tasks: int) -> None:
+        kernel.launch(ctas, 64, smem_bytes(cfg, stages), torch.cuda.current_stream().cuda_stream,
+                      [w_map, t_map, ctypes.c_int32(n_tasks), ctypes.c_int32(tiles), ctypes.c_int32(blocks),
+                       ctypes.c_void_p(cycles.data_ptr()), ctypes.c_void_p(ns.data_ptr()),
+                       ctypes.c_void_p(sums.data_ptr())])
+
+    launch(max(1, tasks // 10))  # warm-up
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    launch(tasks)
+    stop.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(stop)
+    per_chunk = cycles.double().median().item() / (tasks * chunks)
+    spans = ns.view(ctas, 2)
+    row = dict(ctas=ctas, sms=sms, ms=ms, cycles_per_chunk=per_chunk,
+               landed_bytes_per_clock=stage_bytes(cfg) / per_chunk,
+               fetched_bytes_per_clock=fetched_bytes(cfg) / per_chunk,
+               fetched_tb_per_s=fetched_bytes(cfg) * chunks * tasks * ctas / (ms * 1e-3) / 1e12,
+               all_at_once=bool(spans[:, 0].max() < spans[:, 1].min()))
+    if checksum:
+        got = [v % 2**32 for v in sums.tolist()]
+        row["checksum_ok"] = got == expected_checksums(weights, tokens, cfg, tasks, ctas, blocks)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'config':>9} {'regs':>5} {'stage KB':>8} {'fetch KB':>8} {'cycles/chunk':>13} {'landed B/clk':>12} "
+            f"{'fetched B/clk':>13} {'fetch TB/s':>10} {'at once':>7}")
+    out = [head]
+    for r in rows:
+        timed = "cycles_per_chunk" in r
+        out.append(f"{r['config']:>9} {r['registers'] or '-':>5} {stage_bytes(r) / 1024:>8.0f} {fetched_bytes(r) / 1024:>8.0f} "
+                   + (f"{r['cycles_per_chunk']:>13.0f} {r['landed_bytes_per_clock']:>12.1f} "
+                      f"{r['fetched_bytes_per_clock']:>13.1f} {r['fetched_tb_per_s']:>10.2f} "
+                      f"{'yes' if r['all_at_once'] else 'NO':>7}" if timed
+                      else f"{'-':>13} {'-':>12} {'-':>13} {'-':>10} {'-':>7}"))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="TOKENS:CLUSTER:SHARE")
+    ap.add_argument("--stages", type=int, default=4, help="shared-memory stages cycled through")
+    ap.add_argument("--chunks", type=int, default=32, help="K chunks per task (V4-Flash-like L1: 4096 / 128)")
+    ap.add_argument("--tasks", type=int, default=60, help="tasks per CTA in the timed launch")
+    ap.add_argument("--tiles", type=int, default=512, help="weight tiles of 256 rows (512 x 1 MB: from HBM)")
+    ap.add_argument("--blocks", type=int, default=2, help="token blocks, each read by consecutive tasks of a tile")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile and report registers")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from vllm_megamoe.kernels import jit
+
+    rows = []
+    for text in args.configs:
+        cfg = parse_config(text)
+        regs = re.search(r"Used (\d+) registers", jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log)
+        row = dict(config=text, **cfg, stages=args.stages, chunks=args.chunks, tasks=args.tasks, tiles=args.tiles,
+                   blocks=args.blocks, registers=int(regs.group(1)) if regs else None)
+        if not args.compile_only:
+            row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks))
+        rows.append(row)
+        print(table(rows).splitlines()[-1], flush=True)
+    print(table(rows))
+    if args.out:
+        env = dict(nvrtc="%d.%d" % jit.nvrtc_version(), compile_only=args.compile_only)
+        if not args.compile_only:
+            import torch
+            env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+        with open(args.out, "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
