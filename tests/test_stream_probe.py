@@ -77,3 +77,10 @@ def test_probe_builds(config):
         log = jit.compile_kernel(sp.spec(cfg, 4, 32, checksum)).log
         assert "Used" in log and "spill stores" in log
         assert " 0 bytes spill stores" in log
+
+
+def test_table_marks_a_launch_that_did_not_run_at_once():
+    row = dict(sp.parse_config("128:2:1"), config="128:2:1", registers=26, cycles_per_chunk=1500.0,
+               landed_bytes_per_clock=32.0, fetched_bytes_per_clock=21.3, fetched_tb_per_s=None, all_at_once=False)
+    lines = sp.table([row, dict(row, fetched_tb_per_s=5.4321, all_at_once=True)]).splitlines()
+    assert lines[1].split()[-2:] == ["-", "NO"] and lines[2].split()[-2:] == ["5.43", "yes"]

@@ -86,11 +86,13 @@ MEGAMOE_DEVICE void cluster_sync() {
 }
 
 // One arrival on the mbarrier at `bar`'s shared-memory offset in the cluster's CTA `cta` (this
-// CTA included), released at cluster scope: this thread's reads of the stage it guards are done.
+// CTA included): a stage's release to the producers that write into it. The default .release.cta
+// form, as the stage releases within a CTA: .release.cluster put two GPU-scope fences before
+// every arrival (MEMBAR.ALL.GPU in the SASS), which no stage release needs.
 MEGAMOE_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
       "r"(cta)
       : "memory");
 }

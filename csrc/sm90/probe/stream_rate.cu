@@ -123,7 +123,7 @@ MEGAMOE_DEVICE u32 consume(const u8* stages, u64* full, u64* empty, u32 tasks) {
 using namespace megamoe;
 using namespace megamoe::probe;
 
-// Read back by the host to check its shared-memory arithmetic (stream_probe.smem_bytes).
+// Read back by the host to check its byte arithmetic (stream_probe.stage_bytes).
 extern "C" __device__ int megamoe_stream_rate_stage_bytes = kStageBytes;
 
 // weights: [tiles x 256][chunks x 128] bytes, box 128 x kWeightBoxRows; tokens: [blocks x
