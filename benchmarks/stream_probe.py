@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import re
+
+from benchmarks.probe_io import compile_report, write_results
 
 SOURCE, ENTRY = "sm90/probe/stream_rate.cu", "megamoe_stream_rate"
 CONFIGS = ("128:1:0", "128:2:0", "128:2:1", "128:2:2", "64:1:0", "64:2:1")
@@ -185,21 +185,15 @@ def main(argv=None) -> int:
     rows = []
     for text in args.configs:
         cfg = parse_config(text)
-        regs = re.search(r"Used (\d+) registers", jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log)
         row = dict(config=text, **cfg, stages=args.stages, chunks=args.chunks, tasks=args.tasks, tiles=args.tiles,
-                   blocks=args.blocks, registers=int(regs.group(1)) if regs else None)
+                   blocks=args.blocks, **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log))
         if not args.compile_only:
             row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks))
         rows.append(row)
         print(table(rows).splitlines()[-1], flush=True)
     print(table(rows))
     if args.out:
-        env = dict(nvrtc="%d.%d" % jit.nvrtc_version(), compile_only=args.compile_only)
-        if not args.compile_only:
-            import torch
-            env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-        with open(args.out, "w") as f:
-            json.dump(dict(env=env, rows=rows), f, indent=1)
+        write_results(args.out, rows, args.compile_only)
     return 0
 
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import re
+
+from benchmarks.probe_io import compile_report, write_results
 
 SOURCE, ENTRY = "sm90/probe/wgmma_rate.cu", "megamoe_wgmma_rate"
 # Dense FP8 MACs per SM and clock on H100 / H200: 1979 TFLOPS / (2 x 132 SMs x 1.83 GHz).
@@ -100,15 +100,6 @@ def spec(cfg: dict, stages: int, chunks: int):
                                                    PROBE_A_REGS=int(cfg["a_regs"]), PROBE_PRODUCTS=int(cfg["products"]),
                                                    PROBE_STAGE_WAIT=int(cfg["stage_wait"]),
                                                    PROBE_COPY=int(cfg["copy"])))
-
-
-def compile_report(log: str) -> dict:
-    """Registers, spill bytes and whether ptxas serialized the wgmmas (any of its reasons), from its
-    -v log."""
-    regs = re.search(r"Used (\d+) registers", log)
-    spill = re.search(r"(\d+) bytes spill stores", log)
-    return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
-                serialized="instructions are serialized" in log)  # C7510 / C7514 / C7515 ...
 
 
 def macs_per_chunk(cfg: dict) -> int:
@@ -203,12 +194,7 @@ def main(argv=None) -> int:
         print(table(rows).splitlines()[-1], flush=True)
     print(table(rows))
     if args.out:
-        env = dict(nvrtc="%d.%d" % jit.nvrtc_version(), compile_only=args.compile_only)
-        if not args.compile_only:
-            import torch
-            env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-        with open(args.out, "w") as f:
-            json.dump(dict(env=env, rows=rows), f, indent=1)
+        write_results(args.out, rows, args.compile_only)
     return 0
 
 

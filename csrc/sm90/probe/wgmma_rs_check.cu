@@ -17,7 +17,10 @@
 //              may still be queued); 1: both are (nothing in flight during the reload).
 //              Measured on H200 (tests/gpu/test_wgmma_rs.py): with 0, D2 is wrong in the rows of
 //              the fragment's registers 0 and 2 in both forms, the copy notwithstanding; with 1,
-//              both are right. tests/test_wgmma_probe.py checks the SASS of each build.
+//              both are right. tests/test_wgmma_probe.py checks the SASS of each build. (But the
+//              device's NVRTC 13.0 folded that copy, an inline-asm mov, back into frag: the copy
+//              form ran as form 1. The XOR copy below stays a copy under 13.0; its GPU run decides
+//              whether a queued group reading other registers is right, docs/kernel_notes.md v22.)
 // CHECK_RELOAD 0: the fragment is loaded at the first rep only (D = D2 = 4 A x B^T): with
 //              nothing reloaded, a queued group 1 is right.
 // CHECK_WARPGROUPS 2: two warpgroups run the same check side by side (a fused K loop has two:
@@ -126,10 +129,13 @@ megamoe_wgmma_rs_check(const u8* __restrict__ a, const u8* __restrict__ b, float
 #if CHECK_REUSE == 2
     wgmma_wait_group<1>();  // the previous rep's group 1: its copy may be rewritten
     fence_accumulators(acc2);
+    // A copy ptxas cannot fold back into frag: XOR with blockIdx.x, 0 in this one-CTA launch but
+    // not known to be (NVRTC 13.0's ptxas folded an inline-asm mov, 13.5's did not).
+    const u32 zero = blockIdx.x;
 #pragma unroll
-    for (u32 kk = 0; kk < kRowBytes / 32; ++kk)  // inline asm: a plain copy is folded back into frag
+    for (u32 kk = 0; kk < kRowBytes / 32; ++kk)
 #pragma unroll
-      for (u32 j = 0; j < 4; ++j) asm volatile("mov.b32 %0, %1;" : "=r"(frag1[kk][j]) : "r"(frag[kk][j]));
+      for (u32 j = 0; j < 4; ++j) frag1[kk][j] = frag[kk][j] ^ zero;
 #else
     fence_accumulators(acc2);
 #endif
