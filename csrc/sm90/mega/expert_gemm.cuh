@@ -321,8 +321,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 #pragma unroll
     for (u32 h = 0; h < 2; ++h) {
       const u32 tok = register_tokens_token(2 * h);
-      const float w = kQuadScales ? quad_weight[h] : tables.weight[tok];
-      const float inv_scale = kQuadScales ? quad_inv_scale[h] : tables.inv_scale[tok];  // (register tokens: FP8 only)
+      const float w = tables.weight[tok];
+      const float inv_scale = tables.inv_scale[tok];  // (the 64-token register-token loop is FP8 only)
 #pragma unroll
       for (u32 mt = 0; mt < kRtGroups; ++mt) {
         const float(&v)[32] = rt_group(acc, mt);
