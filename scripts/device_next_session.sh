@@ -170,7 +170,7 @@ case "${STEP:-verify}" in
     timeout 150 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants tile=128 tile=128,csrc=$TREE/csrc --rounds 2 \
       --out "$OUT/probe_tree128.json" 2>&1 | tail -16
-    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" sanitize 80 ;;
+    VLLM_MEGAMOE_CSRC_DIR="$PWD/$TREE/csrc" sanitize 120 ;;  # (80 s cut racecheck short in v22)
   epilogue_cost) # ~2 min, one H200: what the GEMM epilogues cost in FORMAT's builds (default bf16): graph
             # times with and without them (ablate=epilogue drops the 128-token builds' own epilogues and
             # the epilogue warpgroup's work), 128- and 64-token tiles, 2048 and 8192 tokens per rank
