@@ -400,6 +400,19 @@ def test_without_base_each_spec_gets_a_buffer_with_a_warning(gen, caplog):
     assert len({id(b.dg) for b in bufs.values()}) == 2 and "no SymmBuffer(base=)" in caplog.text
 
 
+def test_misspelt_variable_refused_before_deepgemm_is_called(monkeypatch):
+    fake = make_fake("2.8.1", compute=False)
+    api, _ = discovery.inspect_module(fake, "deep_gemm")
+    spec = BufferSpec.of(MoEShape(H, I, E, K), "fp8xfp4", 40)
+    monkeypatch.setenv("VLLM_MEGAMOE_MAX_TOKEN_PER_RANK", "64")  # the key is max_tokens_per_rank
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_MAX_TOKEN_PER_RANK.*VLLM_MEGAMOE_MAX_TOKENS_PER_RANK"):
+        create_worker_buffers(api, FakeGroup(), [spec])
+    assert fake.calls == []  # no rendezvous started: no rank waits for this one
+    monkeypatch.delenv("VLLM_MEGAMOE_MAX_TOKEN_PER_RANK")
+    create_worker_buffers(api, FakeGroup(), [spec])
+    assert [c[0] for c in fake.calls] == ["SymmBuffer"]
+
+
 def allocations_during(fn):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..plugin.settings import unknown_environment_names
 from ..shape import MoEShape, require
 from . import act_quant
 from .discovery import DeepGemmApi
@@ -121,6 +122,11 @@ def create_worker_buffers(api: DeepGemmApi, group, specs) -> dict:
     """
     unique = sorted(set(specs), key=lambda s: (-s.size_hint(), repr(s)))  # same order on all ranks
     require(unique, "create_worker_buffers needs at least one BufferSpec")
+    # A misspelt VLLM_MEGAMOE_* variable would do nothing (the core's SymmBuffer refuses it too).
+    # Raised before DeepGEMM's rendezvous: a worker group's ranks share the launcher's environment,
+    # so each of them raises here rather than waiting for a peer that did.
+    problem = unknown_environment_names()
+    require(problem is None, f"megamoe: SM100 buffers not created: {problem}")
     out: dict[Any, Sm100Buffer] = {}
     first = Sm100Buffer(api, group, unique[0])
     out[unique[0]] = first
