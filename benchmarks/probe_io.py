@@ -2,6 +2,7 @@
 the results file with the environment it ran in."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -24,3 +25,16 @@ def write_results(path: str, rows: list[dict], compile_only: bool) -> None:
         env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     with open(path, "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
+
+
+def probe_arguments(doc: str, configs: tuple, config_help: str, tasks: int) -> argparse.ArgumentParser:
+    """The options every probe takes: its configs, stages, K chunks per task, tasks per CTA,
+    --compile-only and --out (a probe adds its own)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=list(configs), help=config_help)
+    ap.add_argument("--stages", type=int, default=4, help="shared-memory stages cycled through")
+    ap.add_argument("--chunks", type=int, default=32, help="K chunks per task (V4-Flash-like L1: 4096 / 128)")
+    ap.add_argument("--tasks", type=int, default=tasks, help="tasks per CTA in the timed launch")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile and report registers")
+    ap.add_argument("--out", default=None)
+    return ap

@@ -22,10 +22,9 @@ queue does the same); the consumers read nothing, so the stage writes meet no wg
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 
-from benchmarks.probe_io import compile_report, write_results
+from benchmarks.probe_io import compile_report, probe_arguments, write_results
 
 SOURCE, ENTRY = "sm90/probe/stream_rate.cu", "megamoe_stream_rate"
 CONFIGS = ("128:1:0", "128:2:0", "128:2:1", "128:2:2", "64:1:0", "64:2:1")
@@ -170,15 +169,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="TOKENS:CLUSTER:SHARE")
-    ap.add_argument("--stages", type=int, default=4, help="shared-memory stages cycled through")
-    ap.add_argument("--chunks", type=int, default=32, help="K chunks per task (V4-Flash-like L1: 4096 / 128)")
-    ap.add_argument("--tasks", type=int, default=60, help="tasks per CTA in the timed launch")
+    ap = probe_arguments(__doc__, CONFIGS, "TOKENS:CLUSTER:SHARE", tasks=60)
     ap.add_argument("--tiles", type=int, default=512, help="weight tiles of 256 rows (512 x 1 MB: from HBM)")
     ap.add_argument("--blocks", type=int, default=2, help="token blocks, each read by consecutive tasks of a tile")
-    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile and report registers")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from vllm_megamoe.kernels import jit
 

@@ -33,10 +33,9 @@ the shared-memory read rate it implies (an SM gives 128 B per cycle).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 
-from benchmarks.probe_io import compile_report, write_results
+from benchmarks.probe_io import compile_report, probe_arguments, write_results
 
 SOURCE, ENTRY = "sm90/probe/wgmma_rate.cu", "megamoe_wgmma_rate"
 # Dense FP8 MACs per SM and clock on H100 / H200: 1979 TFLOPS / (2 x 132 SMs x 1.83 GHz).
@@ -170,13 +169,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="N:WG:GROUPS:MODE")
-    ap.add_argument("--stages", type=int, default=4, help="shared-memory stages cycled through")
-    ap.add_argument("--chunks", type=int, default=32, help="K chunks per task (V4-Flash-like L1: 4096 / 128)")
-    ap.add_argument("--tasks", type=int, default=400, help="tasks per CTA in the timed launch")
-    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile and report registers")
-    ap.add_argument("--out", default=None)
+    ap = probe_arguments(__doc__, CONFIGS, "N:WG:GROUPS:MODE", tasks=400)
     args = ap.parse_args(argv)
     from vllm_megamoe.kernels import jit
 
