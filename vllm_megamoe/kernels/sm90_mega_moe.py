@@ -142,10 +142,10 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
     require(sm90_tuning.tile_supported(fmt, choice.tile, choice.mainloop),
             f"FP8 128-token tiles need the tma mainloop (not {choice.mainloop!r}: its partial sums do not fit "
             "the registers); set VLLM_MEGAMOE_SM90_MAINLOOP=tma or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
-    require(not (fmt == "fp8-block" and choice.tile == 128 and choice.stages < 3),
-            f"FP8 128-token tiles need 3 or more stages (not {choice.stages}: the register-token K loop "
-            "keeps one chunk's wgmmas in flight); set VLLM_MEGAMOE_SM90_STAGES to 3 or more, or "
-            "VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
+    require(sm90_tuning.tile_supported(fmt, choice.tile, choice.mainloop, choice.stages),
+            f"FP8 128-token tiles need {sm90_tuning.FP8_TILE128_MIN_STAGES} or more stages (not {choice.stages}: "
+            "the register-token K loop keeps one chunk's wgmmas in flight); set VLLM_MEGAMOE_SM90_STAGES to "
+            f"{sm90_tuning.FP8_TILE128_MIN_STAGES} or more, or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
     defines = buffer.layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,

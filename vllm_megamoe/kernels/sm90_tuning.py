@@ -132,15 +132,19 @@ def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, mainloop: 
     """Whether auto_tile may pick 128 for this layer: a 128-token build of the format and mainloop
     with 3 stages that fit (the token-scale table grows with the hidden size); FP8 not under a
     forced depth below 3 (`stages`: VLLM_MEGAMOE_SM90_STAGES; the register-token loop needs 3)."""
-    if fmt == "fp8-block" and stages is not None and stages < 3:
-        return False
-    return tile_supported(fmt, 128, mainloop) and fits(shape, num_ranks, mainloop, 3, 128)
+    return tile_supported(fmt, 128, mainloop, stages) and fits(shape, num_ranks, mainloop, 3, 128)
 
 
-def tile_supported(fmt: str, tile: int, mainloop: str = "tma") -> bool:
+FP8_TILE128_MIN_STAGES = 3  # the register-token loop keeps one chunk's wgmmas in flight (mainloop_smem.cuh)
+
+
+def tile_supported(fmt: str, tile: int, mainloop: str = "tma", stages: Optional[int] = None) -> bool:
     """FP8 128-token tiles run the tma mainloop's register-token K loop only (the swap-AB FP8
-    loops' partial sums and per-column scale products do not fit the registers)."""
-    return not (fmt == "fp8-block" and tile == 128 and mainloop != "tma")
+    loops' partial sums and per-column scale products do not fit the registers), with at least
+    FP8_TILE128_MIN_STAGES stages (`stages`: a depth to check, None for any)."""
+    if fmt != "fp8-block" or tile != 128:
+        return True
+    return mainloop == "tma" and (stages is None or stages >= FP8_TILE128_MIN_STAGES)
 
 
 # -- the table --------------------------------------------------------------------------------
