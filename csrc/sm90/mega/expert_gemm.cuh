@@ -56,6 +56,12 @@ MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState<K>& 
 #endif
 }
 
+// Profiling builds that drop the epilogue (ablate=epilogue): a store that never happens but
+// depends on every accumulator, so the compiler keeps the K loop's wgmmas.
+MEGAMOE_DEVICE void keep_results_live(const WarpAcc& acc, const Regions& me) {
+  if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;
+}
+
 // L1 task (token block, w13 tile wt): 256 interleaved rows = 128 gate + 128 up channels, so the
 // tile's gate rows use scale block wt and its up rows block I/128 + wt (checkpoint row order).
 MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& p, const Regions& me,
@@ -230,7 +236,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     return;
   }
   if constexpr (kAblate & kAblateEpilogue) {  // profiling: no inline epilogue, the tile published unwritten
-    if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;  // never true: keeps the wgmmas
+    keep_results_live(acc, me);
     __syncthreads();
     if (threadIdx.x == 0) publish_l1_tile(me, at.block);
     span_end(p, clock, kSpanL1Epilogue);
@@ -481,7 +487,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   span_end(p, clock, kSpanL2Gemm);
   if constexpr ((kAblate & kAblateEpilogue) && !kEpilogueWarpgroup) {  // profiling: no inline epilogue
-    if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;  // never true: keeps the wgmmas
+    keep_results_live(acc, me);
     __syncthreads();  // (the next task refills this task's last stage only after its first CTA barrier)
     span_end(p, clock, kSpanL2Epilogue);
     span_count(p, clock, kSpanL2Tasks);
