@@ -125,10 +125,9 @@ MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroup
 // The K loop of one full 64-token task (acc zeroed here, the first S - 1 chunks issued). Per chunk
 // c: wait for its stage and for g1(c - 1), its tokens into a, g0(c) -> part0, CTA barrier and
 // refill of chunk c - 1's stage, promote g1(c - 1) (while g0(c) runs), g1(c) -> part1, promote
-// g0(c). The fragment is reloaded only with no wgmma group of the warpgroup in flight: a group
-// starting right after a wait_group while the fragment was reloaded came out wrong on an H200,
-// even when it read a copy of the fragment in other registers (tests/gpu/test_wgmma_rs.py,
-// docs/kernel_notes.md v12); two warpgroups side by side keeping this rule were right. The
+// g0(c). The fragment is reloaded only with no wgmma group that reads it in flight (the PTX ISA's
+// rule; a queued group whose registers were reloaded came out wrong on an H200, one reading a copy
+// in other registers right: tests/gpu/test_wgmma_rs.py, docs/kernel_notes.md v12, v23). The
 // promotion of g1(c - 1) sits after the CTA barrier: before it, ptxas hoisted it above g0(c)'s
 // issue. One loop body: unrolled by two, ptxas serialised every wgmma (C7515). Chunk 0 is peeled
 // off so that no branch inside the loop hides from ptxas which group a wait completes. Trace

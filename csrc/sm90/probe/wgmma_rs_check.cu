@@ -16,19 +16,19 @@
 // CHECK_SERIAL 0: only group 0 is waited for before the next rep reloads the fragment (group 1
 //              may still be queued); 1: both are (nothing in flight during the reload).
 //              Measured on H200 (tests/gpu/test_wgmma_rs.py): with 0, D2 is wrong in the rows of
-//              the fragment's registers 0 and 2 in both forms, the copy notwithstanding; with 1,
-//              both are right. tests/test_wgmma_probe.py checks the SASS of each build. (But the
-//              device's NVRTC 13.0 folded that copy, an inline-asm mov, back into frag: the copy
-//              form ran as form 1. The XOR copy below stays a copy under 13.0; its GPU run decides
-//              whether a queued group reading other registers is right, docs/kernel_notes.md v22.)
+//              the fragment's registers 0 and 2 in form 1 and right in form 2 (a real copy: the
+//              XOR below, which ptxas 13.0 cannot fold back into frag as it folded v12's mov); with
+//              1, both are right in both forms. The hazard is the register overlap the PTX ISA
+//              names (docs/kernel_notes.md v23). tests/test_wgmma_probe.py checks each build's SASS.
 // CHECK_RELOAD 0: the fragment is loaded at the first rep only (D = D2 = 4 A x B^T): with
 //              nothing reloaded, a queued group 1 is right.
 // CHECK_WARPGROUPS 2: two warpgroups run the same check side by side (a fused K loop has two:
 //              warps w and w + 4 share an SM sub-partition), the second started CHECK_WG1_DELAY
 //              clocks late; D and D2 hold one copy per warpgroup.
 // CHECK_DELAY  N > 0: a spin of N SM clocks between a rep's closing wait and the next reload
-//              (diagnostic only). Measured: 200 or more and both groups are right in both forms,
-//              0 and group 1 is wrong; a window right after the wait, not a register overlap.
+//              (diagnostic only). Measured: 200 or more and both groups are right in both forms
+//              (the queued group has finished before its registers are reloaded), 0 and form 1's
+//              group 1 is wrong.
 #include "../wgmma.cuh"
 
 #ifndef CHECK_N
