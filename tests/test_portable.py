@@ -132,9 +132,12 @@ def test_kernel_layout_weights_must_be_contiguous():
 
 
 def test_timeout_variable_is_named(monkeypatch):
-    monkeypatch.setenv("VLLM_MEGAMOE_TIMEOUT_S", "abc")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_TIMEOUT_S='abc' must be a number of seconds"):
-        SymmBuffer(SHAPE, 8, None, format="bf16")
+    for raw in ("abc", "-1", "inf"):  # the plugin's settings refuse the same values the same way
+        monkeypatch.setenv("VLLM_MEGAMOE_TIMEOUT_S", raw)
+        with pytest.raises(ValueError, match=f"VLLM_MEGAMOE_TIMEOUT_S='{raw}': must be a positive, finite number"):
+            SymmBuffer(SHAPE, 8, None, format="bf16")
+    monkeypatch.setenv("VLLM_MEGAMOE_TIMEOUT_S", "7.5")
+    assert SymmBuffer(SHAPE, 8, None, format="bf16").timeout_s == 7.5
 
 
 def _rank_builds(rank, world, group, tokens, fmt):

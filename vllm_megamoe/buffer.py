@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .errors import BarrierTimeoutError, PeerAccessError
 from .layout import BufferLayout
-from .plugin.settings import unknown_environment_names
+from .plugin.settings import core_setting, unknown_environment_names
 from .shape import MoEShape, require
 
 logger = logging.getLogger(__name__)
@@ -48,15 +48,11 @@ SHM_PREFIX = "vllm_megamoe-"
 
 
 def default_timeout_s() -> float:
-    raw = os.environ.get("VLLM_MEGAMOE_TIMEOUT_S", "60")
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"VLLM_MEGAMOE_TIMEOUT_S={raw!r} must be a number of seconds") from None
+    return core_setting("timeout_s")
 
 
 def shm_dir() -> str:
-    return os.environ.get("VLLM_MEGAMOE_SHM_DIR", "/dev/shm")
+    return core_setting("shm_dir")
 
 
 def shm_dir_problem() -> Optional[str]:

@@ -47,7 +47,10 @@ def _non_negative_int(v: Any) -> int:
 
 
 def _positive_float(v: Any) -> float:
-    x = float(str(v).strip())
+    try:
+        x = float(str(v).strip())
+    except ValueError:
+        raise ValueError("must be a positive, finite number") from None
     if not 0 < x < float("inf"):
         raise ValueError("must be a positive, finite number")
     return x
@@ -254,6 +257,20 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, *, export: bool =
                 and values[key.name] is not None):
             os.environ[key.env] = str(values[key.name])
     return Settings(values, sources)
+
+
+def core_setting(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """One core key from the environment (the file's value arrives there through load_settings'
+    export), parsed and refused as load_settings does: the core's one reader of these variables."""
+    key = KEYS[name]
+    env = os.environ if environ is None else environ
+    raw = env.get(key.env)
+    if raw is None:
+        return key.default
+    try:
+        return key.parse(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{key.env}={raw!r}: {e}") from None
 
 
 def env_help() -> str:
