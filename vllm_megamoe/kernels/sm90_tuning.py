@@ -33,34 +33,44 @@ MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
 TILES = (32, 64, 128)
 AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
 # Tile "auto", 64 or 128 (from AUTO_TILE_ROWS_PER_EXPERT rows): the one with fewer task-times per
-# expert, E[blocks] x the tile's task time, with an expert's rows Poisson-distributed around the
-# call's expected rows per local expert (uniform routing): a 128-token task takes 1.7x (FP8) /
-# 1.55x (BF16) a 64-token one (one H200, EP1, kernel_probe task spans at 8192 tokens per rank,
-# docs/kernel_notes.md v19), and a half-empty last block costs a whole task. It predicts the
-# measured side of every case there but the ties (128 over 64, measured / model: FP8 1.13 / 1.18 at
-# 96 rows, 0.98 / 0.90 at 171, 1.03 / 1.02 at 192, 1.03-1.12 / 1.06 at 256, 1.07 / 1.11 at 512;
-# BF16 1.21 / 1.29 at 96, 0.93 / 0.99 at 171, 1.05-1.07 / 1.17 at 256, 0.99 / 0.65 at 48).
+# expert, with an expert's rows Poisson-distributed around the call's expected rows per local expert
+# (uniform routing) and every block costing a whole task. Task times in units of a 64-token task,
+# measured on one H200 at EP1 (kernel_probe task spans, docs/kernel_notes.md v23, after v21-v22's
+# epilogue cuts): a 128-token task 1.5-1.6x (FP8 and BF16, full blocks), and ~1.25x when its block
+# holds at most 64 rows (tasks of mostly such blocks: 1.35-1.43x). With these the model picks the
+# measured side of every case of that probe that is not a tie (graph time 128 over 64, FP8 / BF16:
+# 1.12 / 1.01 at 48 rows, 0.95-1.00 / 0.90-0.91 at 64, 0.87 / 0.84 at 96, 0.88-0.93 / 0.92-0.94 at
+# 128, 0.98 / 0.97 at 192, 0.88-0.89 / 0.90-0.92 at 256, 0.86 / 0.88 at 512 rows per expert).
 # FP8 128-token tiles: tma only. The EP2 table's entries predate the FP8 128-token build.
-TILE_128_TASK_TIME = {"fp8-block": 1.7, "bf16": 1.55}
+TILE_128_TASK_TIME = 1.6
+TILE_128_HALF_TASK_TIME = 1.25  # a 128-token block of at most 64 rows
 
 
 @functools.lru_cache(maxsize=4096)
-def expected_blocks(rows_per_expert: float, tile: int) -> float:
-    """E[ceil(r / tile)] for an expert's rows r ~ Poisson(rows_per_expert): its token blocks (an
-    expert without rows has none), as sum over k >= 0 of P(r > k tile)."""
+def expected_task_times(rows_per_expert: float, tile: int) -> float:
+    """E[task time] of an expert's token blocks (64 or 128 rows) in 64-token task units, its rows
+    r ~ Poisson(rows_per_expert): ceil(r / 64) tasks of 1, or ceil(r / 128) tasks of
+    TILE_128_TASK_TIME, the last one TILE_128_HALF_TASK_TIME when it holds at most 64 rows."""
+    if tile not in (64, 128):
+        raise ValueError(f"tile={tile}: the padding model compares 64- and 128-token tiles")
     if rows_per_expert <= 0:
         return 0.0
-    log_rate, cdf, blocks = math.log(rows_per_expert), 0.0, 0.0
-    for n in range(int(rows_per_expert + 12 * math.sqrt(rows_per_expert)) + tile + 1):
-        cdf += math.exp(n * log_rate - rows_per_expert - math.lgamma(n + 1))
-        if n % tile == 0:
-            blocks += max(0.0, 1.0 - cdf)
-    return blocks
+    log_rate, total = math.log(rows_per_expert), 0.0
+    for n in range(1, int(rows_per_expert + 12 * math.sqrt(rows_per_expert)) + tile + 1):
+        p = math.exp(n * log_rate - rows_per_expert - math.lgamma(n + 1))
+        blocks = -(-n // tile)
+        if tile == 64:
+            total += p * blocks
+        else:
+            last_half = n - 128 * (blocks - 1) <= 64
+            total += p * ((blocks - 1) * TILE_128_TASK_TIME
+                          + (TILE_128_HALF_TASK_TIME if last_half else TILE_128_TASK_TIME))
+    return total
 
 
-def prefers_128(fmt: str, rows_per_expert: float) -> bool:
+def prefers_128(rows_per_expert: float) -> bool:
     """Whether 128-token tiles take less task time per expert than 64-token ones (see above)."""
-    return TILE_128_TASK_TIME[fmt] * expected_blocks(rows_per_expert, 128) < expected_blocks(rows_per_expert, 64)
+    return expected_task_times(rows_per_expert, 128) < expected_task_times(rows_per_expert, 64)
 
 
 # The FP8 128-token build's generation: kernel_probe records it, and benchmarks.tune_sm90 takes FP8
@@ -123,7 +133,7 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     if rows_per_expert < AUTO_TILE_ROWS_PER_EXPERT:
         return 32
-    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages) and prefers_128(fmt, rows_per_expert)
+    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages) and prefers_128(rows_per_expert)
             else 64)
 
 
