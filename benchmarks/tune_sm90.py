@@ -12,7 +12,9 @@ neighbouring buckets with the same build merge. A build whose output is further 
 --max-err from the probe's first variant never wins, and a build other than the heuristic's
 mainloop and depth (sm90_tuning.HEURISTIC) wins only when it beats that build's best time at the
 point by more than --min-gain (run-to-run noise alone must not change the table). Entries of layers the probes do not cover
-are kept from the existing table.
+are kept from the existing table. A point won by a 64-token build where no current 128-token build
+was timed gets the tile TILE_64_OR_128: 64 over 32 is measured, 64 against 128 is left to the
+padding model per call (sm90_tuning.wide_tile).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import json
 import math
 import os
 
-from vllm_megamoe.kernels.sm90_tuning import FP8_TILE128_BUILD, HEURISTIC, parse_table, tile_supported
+from vllm_megamoe.kernels.sm90_tuning import FP8_TILE128_BUILD, HEURISTIC, TILE_64_OR_128, parse_table, tile_supported
 
 LAST_BUCKET = 1 << 20
 
@@ -65,8 +67,18 @@ def best_builds(probes: list[dict], max_err: float, min_gain: float = 0.0) -> di
                 continue  # a build withdrawn since (FP8 128-token probes before v19 timed the swap-AB build)
             point = times.setdefault((*_dims(r), r["format"], ranks), {}).setdefault(r["tokens_per_rank"], {})
             point[r["mainloop"]] = min(point.get(r["mainloop"], float("inf")), r["graph_us"])
-    return {key: {tokens: _winner(builds, min_gain) for tokens, builds in points.items()}
+    return {key: {tokens: _with_tile_rule(_winner(builds, min_gain), builds, key[4]) for tokens, builds in points.items()}
             for key, points in times.items()}
+
+
+def _with_tile_rule(winner: tuple[str, float], builds: dict, fmt: str) -> tuple[str, float]:
+    """A 64-token winner where no 128-token build ran (and one exists for its format and
+    mainloop): its label with the tile TILE_64_OR_128."""
+    mainloop, stages, tile = winner[0].split("/")
+    if (tile == "64" and tile_supported(fmt, 128, mainloop)
+            and not any(label.endswith("/128") for label in builds)):
+        return f"{mainloop}/{stages}/{TILE_64_OR_128}", winner[1]
+    return winner
 
 
 def buckets(points: dict) -> list[dict]:
@@ -76,7 +88,7 @@ def buckets(points: dict) -> list[dict]:
     for i, t in enumerate(tokens):
         edge = LAST_BUCKET if i + 1 == len(tokens) else int(math.sqrt(t * tokens[i + 1]))
         mainloop, stages, tile = points[t][0].split("/")
-        b = dict(max_tokens=edge, mainloop=mainloop, stages=int(stages), tile=int(tile))
+        b = dict(max_tokens=edge, mainloop=mainloop, stages=int(stages), tile=tile if tile == TILE_64_OR_128 else int(tile))
         if out and {k: v for k, v in out[-1].items() if k != "max_tokens"} == \
                 {k: v for k, v in b.items() if k != "max_tokens"}:
             out[-1]["max_tokens"] = edge

@@ -160,6 +160,30 @@ def test_auto_tile_follows_rows_per_expert(clean_env):
     assert tu.choices(V4, "fp8-block", 2) == [Choice("smem", 4, 32)]
 
 
+def test_table_bucket_leaves_64_or_128_to_the_padding_model(clean_env, tmp_path):
+    table = _table(tmp_path, [{"max_tokens": 724, "mainloop": "tma", "stages": 5, "tile": 32},
+                              {"max_tokens": 1 << 20, "mainloop": "tma", "stages": 4, "tile": tu.TILE_64_OR_128}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(table))
+    # EP2, V4-Flash-like: 1024 tokens per rank -> 48 rows per local expert (64), 8192 -> 384 (128);
+    # the bucket's 64 over 32 holds below AUTO_TILE_ROWS_PER_EXPERT too (800 tokens: 37 rows)
+    assert tu.choose(V4, "fp8-block", 2, 8) == Choice("tma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 2, 800) == tu.choose(V4, "fp8-block", 2, 1024) == Choice("tma", 4, 64)
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 128)
+    assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 5, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")  # the environment's tile wins
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("tma", 4, 64)
+    clean_env.delenv("VLLM_MEGAMOE_SM90_TOKEN_TILE")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")  # no FP8 128-token build under wgmma
+    assert tu.choose(V4, "fp8-block", 2, 8192) == Choice("wgmma", 4, 64)
+    assert Choice("wgmma", 4, 128) not in tu.choices(V4, "fp8-block", 2)
+    clean_env.delenv("VLLM_MEGAMOE_SM90_MAINLOOP")
+    (tmp_path / "bad").mkdir()  # (a table is read once per path)
+    bad = _table(tmp_path / "bad", [{"max_tokens": 8, "mainloop": "smem", "stages": 4, "tile": tu.TILE_64_OR_128}])
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(bad))
+    with pytest.raises(ValueError, match="entry 0.*64-token tiles need"):
+        tu.choose(V4, "fp8-block", 2, 8)
+
+
 def test_bad_settings_are_named(clean_env, tmp_path):
     clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")
@@ -220,13 +244,16 @@ def test_tuning_script_buckets_the_fastest_correct_build():
         {"max_tokens": 362, "mainloop": "wgmma", "stages": 4, "tile": 32},         # sqrt(128 * 1024)
         {"max_tokens": tune_sm90.LAST_BUCKET, "mainloop": "wgmma", "stages": 4, "tile": 64}]  # 1024 and 8192 merged
     parsed = tu.parse_table(doc)
-    assert parsed[(4096, 2048, 256, 6, "fp8-block", 2)][0] == (32, Choice("wgmma", 5, 32))
+    assert parsed[(4096, 2048, 256, 6, "fp8-block", 2)][0] == (32, Choice("wgmma", 5, 32), None)
     # With a noise margin, the heuristic's build (tma, 4 stages) keeps a point it is within the
     # margin of (8192: 6100 vs 6000); where it was not measured (1024) the fastest build wins.
+    # No current 128-token build ran at 8192, and the tma mainloop has one: 64 or 128 by the model.
     margin = tune_sm90.table([probe], None, max_err=2e-2, min_gain=0.03)["entries"][0]["buckets"]
     assert margin[-2:] == [
         {"max_tokens": 2896, "mainloop": "wgmma", "stages": 4, "tile": 64},       # sqrt(1024 * 8192)
-        {"max_tokens": tune_sm90.LAST_BUCKET, "mainloop": "tma", "stages": 4, "tile": 64}]
+        {"max_tokens": tune_sm90.LAST_BUCKET, "mainloop": "tma", "stages": 4, "tile": tu.TILE_64_OR_128}]
+    assert tu.parse_table(tune_sm90.table([probe], None, 2e-2, 0.03))[(4096, 2048, 256, 6, "fp8-block", 2)][-1] == \
+        (tune_sm90.LAST_BUCKET, Choice("tma", 4, 64), tu.TILE_64_OR_128)
     # A probe of the current FP8 128-token build (kernel_probe records its generation) may win.
     current = dict(probe, env={"gpus": 2, "fp8_tile128": tu.FP8_TILE128_BUILD})
     assert tune_sm90.table([current], None, max_err=2e-2)["entries"][0]["buckets"][-1] == \

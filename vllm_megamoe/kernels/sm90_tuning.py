@@ -77,6 +77,9 @@ def prefers_128(rows_per_expert: float) -> bool:
 # 128-token timings only from probes that carry it (earlier probes timed a withdrawn swap-AB build).
 FP8_TILE128_BUILD = "register-tokens"
 TABLE_NAME = "sm90_mega_moe.yaml"
+# A table bucket's tile when its probes settled 64 over 32 but never timed the current 128-token
+# build: 64 or 128 per call by the padding model (wide_tile); benchmarks.tune_sm90 writes it.
+TILE_64_OR_128 = "64-or-128"
 
 
 @dataclass(frozen=True, order=True)
@@ -133,6 +136,14 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     if rows_per_expert < AUTO_TILE_ROWS_PER_EXPERT:
         return 32
+    return wide_tile(shape, fmt, num_tokens, num_ranks, mainloop, stages)
+
+
+def wide_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str,
+              stages: Optional[int] = None) -> int:
+    """128 where the padding model prefers it and a 128-token build exists for the layer, else 64
+    (auto_tile above 32, and a table bucket whose tile is TILE_64_OR_128)."""
+    rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
     return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages) and prefers_128(rows_per_expert)
             else 64)
 
@@ -181,8 +192,9 @@ def entry_key(shape: MoEShape, fmt: str, num_ranks: int) -> tuple:
 
 
 def parse_table(doc: dict, where: str = "the tuning table") -> dict:
-    """{entry_key: [(max_tokens, Choice), ...] ascending} from the YAML document; errors name
-    the entry that is wrong."""
+    """{entry_key: [(max_tokens, Choice, tile_rule), ...] ascending} from the YAML document
+    (tile_rule: TILE_64_OR_128 for such a bucket, whose Choice holds tile 64; else None); errors
+    name the entry that is wrong."""
     require(isinstance(doc, dict) and doc.get("version") == 1, f"{where}: expected a mapping with version: 1")
     table: dict = {}
     for i, entry in enumerate(doc.get("entries") or []):
@@ -191,12 +203,11 @@ def parse_table(doc: dict, where: str = "the tuning table") -> dict:
             s = entry["shape"]
             key = (int(s["hidden"]), int(s["intermediate"]), int(s["experts"]), int(s["topk"]),
                    str(entry["format"]), int(entry["ranks"]))
-            buckets = sorted((int(b["max_tokens"]), Choice(str(b["mainloop"]), int(b["stages"]), int(b["tile"])))
-                             for b in entry["buckets"])
+            buckets = sorted((_parse_bucket(b) for b in entry["buckets"]), key=lambda b: b[0])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{what}: {exc}") from exc
         require(bool(buckets), f"{what}: no buckets")
-        for _, c in buckets:
+        for _, c, _ in buckets:
             require(tile_supported(key[4], c.tile, c.mainloop),
                     f"{what}: FP8 {c.tile}-token tiles need the tma mainloop (not {c.mainloop!r})")
         require(key not in table, f"{what}: a second entry for {key}")
@@ -216,16 +227,22 @@ def load_table() -> dict:
     return {} if path is None else _load(str(path))
 
 
-def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[Choice]:
-    """The table's choice for this layer and tokens per rank (the first bucket whose max_tokens
-    is at least num_tokens; beyond the last bucket, the last), or None without an entry."""
+def _parse_bucket(b: dict) -> tuple:
+    wide = b["tile"] == TILE_64_OR_128
+    return (int(b["max_tokens"]), Choice(str(b["mainloop"]), int(b["stages"]), 64 if wide else int(b["tile"])),
+            TILE_64_OR_128 if wide else None)
+
+
+def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[tuple]:
+    """The table's (Choice, tile_rule) for this layer and tokens per rank (the first bucket whose
+    max_tokens is at least num_tokens; beyond the last bucket, the last), or None without an entry."""
     buckets = load_table().get(entry_key(shape, fmt, num_ranks))
     if not buckets:
         return None
-    for max_tokens, choice in buckets:
+    for max_tokens, choice, rule in buckets:
         if num_tokens <= max_tokens:
-            return choice
-    return buckets[-1][1]
+            return choice, rule
+    return buckets[-1][1:]
 
 
 # -- what a call runs -------------------------------------------------------------------------
@@ -235,6 +252,8 @@ def _apply(base: Choice, env: dict, shape: MoEShape, fmt: str, num_tokens: Optio
     tile = env.get("tile", base.tile)
     if tile == "auto":
         tile = 32 if num_tokens is None else auto_tile(shape, fmt, num_tokens, num_ranks, mainloop, env.get("stages"))
+    elif tile == TILE_64_OR_128:
+        tile = 64 if num_tokens is None else wide_tile(shape, fmt, num_tokens, num_ranks, mainloop, env.get("stages"))
     if tile > 32 and mainloop not in WGMMA_MAINLOOPS:
         tile = 32  # a table's 64 / 128 under an environment mainloop without wgmma
     if "stages" not in env:  # e.g. a table's 5 stages of 32-token tiles under a 64-token override:
@@ -244,29 +263,31 @@ def _apply(base: Choice, env: dict, shape: MoEShape, fmt: str, num_tokens: Optio
     return Choice(mainloop, 4 if mainloop == "ldg" else stages, tile)
 
 
-def _or_heuristic(bases: list[Choice]) -> tuple[list[Choice], dict]:
-    """The table's choices and the environment's overrides, or, without a table entry, the
-    heuristic with its tile chosen per call (an environment tile still wins)."""
+def _with_env(found: list[tuple]) -> list[tuple[Choice, dict]]:
+    """(base, overrides) per table choice (Choice, tile_rule): the environment's overrides, the
+    bucket's tile rule where the environment sets no tile; without a table entry, the heuristic
+    with its tile chosen per call (an environment tile still wins)."""
     env = env_overrides()
-    return (bases, env) if bases else ([HEURISTIC], {"tile": "auto", **env})
+    if not found:
+        return [(HEURISTIC, {"tile": "auto", **env})]
+    return [(base, {"tile": rule, **env} if rule else env) for base, rule in found]
 
 
 def choose(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Choice:
     """The build for a call with `num_tokens` on this rank."""
     found = lookup(shape, fmt, num_ranks, num_tokens)
-    (base,), env = _or_heuristic([found] if found else [])
+    ((base, env),) = _with_env([found] if found else [])
     return _apply(base, env, shape, fmt, num_tokens, num_ranks)
 
 
 def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     """Every build `choose` can return for this layer (any tokens per rank), the family's first."""
-    bases, env = _or_heuristic([c for _, c in load_table().get(entry_key(shape, fmt, num_ranks), [])])
     out = []
-    for base in bases:
+    for base, env in _with_env([b[1:] for b in load_table().get(entry_key(shape, fmt, num_ranks), [])]):
         mainloop = env.get("mainloop", base.mainloop)
         may_128 = auto_tile_128_possible(shape, fmt, num_ranks, mainloop, env.get("stages"))
-        tiles = ([t for t in TILES if t != 128 or may_128]
-                 if env.get("tile") == "auto" else (None,))  # every tile auto_tile may pick
+        tiles = {"auto": TILES, TILE_64_OR_128: (64, 128)}.get(env.get("tile"), (None,))
+        tiles = [t for t in tiles if t != 128 or may_128]  # every tile auto_tile / wide_tile may pick
         for tile in tiles:
             override = dict(env, tile=tile) if tile is not None else env
             c = _apply(base, override, shape, fmt, None, num_ranks)
