@@ -177,6 +177,22 @@ def test_eager_padded_call_raises_what_it_dropped():
     assert "max_peer_tokens" in res[0] and "dropped" in res[0]
 
 
+def test_an_eager_call_raises_what_a_replayed_call_flagged():
+    """A captured (padded) call cannot raise: it sets the workspace's error flag. The next eager
+    call, in either mode, raises it (once) instead of letting dropped routes pass unnoticed."""
+    (counts, routing, seed), = _cases(1)[:1]
+    weights, inputs = make_case(SHAPE, "bf16", counts, routing, seed)
+    buf = SymmBuffer(SHAPE, 64, None, format="bf16")
+    flag = buf.view("workspace")[buf.layout.workspace_slot("error_flag")]
+    for mode in ("exact", "padded"):
+        flag.fill_(portable.ERROR_BAD_EXPERT_ID)  # as a replay that met an expert id out of range leaves it
+        with pytest.raises(MegaMoEError, match="expert ids outside .* during a captured call"):
+            portable.mega_moe(*inputs[0], weights, buf, mode=mode)
+        assert int(flag.item()) == 0
+        portable.mega_moe(*inputs[0], weights, buf, mode=mode)  # reported once
+    buf.destroy()
+
+
 def test_zero_tokens_single_rank():
     weights, _ = make_case(SHAPE, "fp8-block", [0], "uniform", 1)
     buf = SymmBuffer(SHAPE, 8, None)

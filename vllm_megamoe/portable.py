@@ -21,7 +21,8 @@ Two ways to size step 2-4:
 - "padded" (CUDA, capturable): no host synchronisation; every peer is assumed to hold at most
   `max_peer_tokens` tokens (default: as many as this rank, which is what vLLM's DP padding
   guarantees under CUDA graphs); pairs of peers beyond that bound are dropped and flagged in
-  the workspace `error_flag` (see check_errors). Masked pairs are sorted last and their writes
+  the workspace `error_flag` (see check_errors: every eager call raises what a replayed captured
+  call flagged). Masked pairs are sorted last and their writes
   land in the `combine_trash` row.
 """
 from __future__ import annotations
@@ -328,6 +329,6 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         if bound > 0:
             _forward_padded(buffer, shape, weights, activation_clamp, bound)
     buffer.barrier("combine")
-    if mode == "padded" and not capturing:  # eager: raise what the device-side checks flagged
-        check_errors(buffer)                # (captured calls: check_errors after the replay)
+    if not capturing:  # eager: raise what the device-side checks flagged in this call, or in the
+        check_errors(buffer)  # captured calls replayed since the last eager one (they cannot raise)
     return _reduce(buffer, topk_idx, t, shape.hidden)
