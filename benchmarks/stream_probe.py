@@ -74,11 +74,11 @@ def check_sizes(cfg: dict, stages: int, tiles: int, blocks: int, ctas: int) -> N
         raise ValueError(f"--ctas={ctas} is not a multiple of the cluster size {cfg['cluster']}")
 
 
-def spec(cfg: dict, stages: int, chunks: int, checksum: bool = False):
+def spec(cfg: dict, stages: int, chunks: int, checksum: bool = False, spin: int = 0):
     from vllm_megamoe.kernels import jit
     return jit.KernelSpec.make(SOURCE, ENTRY, dict(PROBE_TOKENS=cfg["tokens"], PROBE_STAGES=stages, PROBE_CHUNKS=chunks,
                                                    PROBE_CLUSTER=cfg["cluster"], PROBE_SHARE=cfg["share"],
-                                                   PROBE_CHECKSUM=int(checksum)))
+                                                   PROBE_CHECKSUM=int(checksum), PROBE_SPIN=int(spin)))
 
 
 def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, blocks: int) -> list[int]:
@@ -103,7 +103,7 @@ def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, blocks
 
 
 def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int, ctas: int | None = None,
-        checksum: bool = False) -> dict:
+        checksum: bool = False, spin: int = 0) -> dict:
     import torch
 
     from vllm_megamoe.kernels import jit, tma
@@ -112,7 +112,7 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ctas = ctas or sms - sms % cfg["cluster"]
     check_sizes(cfg, stages, tiles, blocks, ctas)
-    kernel = jit.get_kernel(spec(cfg, stages, chunks, checksum), dev)
+    kernel = jit.get_kernel(spec(cfg, stages, chunks, checksum, spin), dev)
     if kernel.read_global_int("megamoe_stream_rate_stage_bytes") != stage_bytes(cfg):
         raise RuntimeError(f"stream_rate.cu's stage is {kernel.read_global_int('megamoe_stream_rate_stage_bytes')} "
                            f"bytes, stream_probe.stage_bytes says {stage_bytes(cfg)}: fix the one that is wrong")
@@ -142,6 +142,8 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
     spans = ns.view(ctas, 2)
     all_at_once = bool(spans[:, 0].max() < spans[:, 1].min())
     row = dict(ctas=ctas, sms=sms, ms=ms, cycles_per_chunk=per_chunk,
+               # beyond the consumer's own spin: what a chunk waited for its stage
+               wait_cycles_per_chunk=max(0.0, per_chunk - spin),
                landed_bytes_per_clock=stage_bytes(cfg) / per_chunk,
                fetched_bytes_per_clock=fetched_bytes(cfg) / per_chunk,
                # the launch's time is the GPU's rate only when every CTA streamed at once
@@ -154,17 +156,18 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'config':>9} {'regs':>5} {'stage KB':>8} {'fetch KB':>8} {'cycles/chunk':>13} {'landed B/clk':>12} "
-            f"{'fetched B/clk':>13} {'fetch TB/s':>10} {'at once':>7}")
+    head = (f"{'config':>9} {'spin':>5} {'regs':>5} {'stage KB':>8} {'fetch KB':>8} {'cycles/chunk':>13} "
+            f"{'wait/chunk':>10} {'landed B/clk':>12} {'fetched B/clk':>13} {'fetch TB/s':>10} {'at once':>7}")
     out = [head]
     for r in rows:
         timed = "cycles_per_chunk" in r
-        out.append(f"{r['config']:>9} {r['registers'] or '-':>5} {stage_bytes(r) / 1024:>8.0f} {fetched_bytes(r) / 1024:>8.0f} "
-                   + (f"{r['cycles_per_chunk']:>13.0f} {r['landed_bytes_per_clock']:>12.1f} "
+        out.append(f"{r['config']:>9} {r.get('spin', 0):>5} {r['registers'] or '-':>5} {stage_bytes(r) / 1024:>8.0f} "
+                   f"{fetched_bytes(r) / 1024:>8.0f} "
+                   + (f"{r['cycles_per_chunk']:>13.0f} {r['wait_cycles_per_chunk']:>10.0f} {r['landed_bytes_per_clock']:>12.1f} "
                       f"{r['fetched_bytes_per_clock']:>13.1f} "
                       f"{'-' if r['fetched_tb_per_s'] is None else format(r['fetched_tb_per_s'], '.2f'):>10} "
                       f"{'yes' if r['all_at_once'] else 'NO':>7}" if timed
-                      else f"{'-':>13} {'-':>12} {'-':>13} {'-':>10} {'-':>7}"))
+                      else f"{'-':>13} {'-':>10} {'-':>12} {'-':>13} {'-':>10} {'-':>7}"))
     return "\n".join(out)
 
 
@@ -172,18 +175,25 @@ def main(argv=None) -> int:
     ap = probe_arguments(__doc__, CONFIGS, "TOKENS:CLUSTER:SHARE", tasks=60)
     ap.add_argument("--tiles", type=int, default=512, help="weight tiles of 256 rows (512 x 1 MB: from HBM)")
     ap.add_argument("--blocks", type=int, default=2, help="token blocks, each read by consecutive tasks of a tile")
+    ap.add_argument("--spin", type=int, nargs="+", default=[0],
+                    help="SM clocks the consumer holds each stage (the chunk's math; ~1600 for FP8 128-token chunks), "
+                         "each value a row per config")
     args = ap.parse_args(argv)
+    if any(v < 0 for v in args.spin):
+        ap.error(f"--spin {args.spin}: clocks must be >= 0")
     from vllm_megamoe.kernels import jit
 
     rows = []
-    for text in args.configs:
-        cfg = parse_config(text)
-        row = dict(config=text, **cfg, stages=args.stages, chunks=args.chunks, tasks=args.tasks, tiles=args.tiles,
-                   blocks=args.blocks, **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log))
-        if not args.compile_only:
-            row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks))
-        rows.append(row)
-        print(table(rows).splitlines()[-1], flush=True)
+    for spin in args.spin:
+        for text in args.configs:
+            cfg = parse_config(text)
+            row = dict(config=text, **cfg, spin=spin, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
+                       tiles=args.tiles, blocks=args.blocks,
+                       **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks, spin=spin)).log))
+            if not args.compile_only:
+                row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks, spin=spin))
+            rows.append(row)
+            print(table(rows).splitlines()[-1], flush=True)
     print(table(rows))
     if args.out:
         write_results(args.out, rows, args.compile_only)

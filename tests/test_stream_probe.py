@@ -79,8 +79,31 @@ def test_probe_builds(config):
         assert " 0 bytes spill stores" in log
 
 
+@needs_nvrtc
+def test_spin_builds_hold_each_stage():
+    """PROBE_SPIN: the consumer's clock loop is in the build (a SASS loop reading the SM clock) only
+    when asked for, and the spin is part of the build's identity."""
+    from benchmarks import sass_census
+    cfg = sp.parse_config("128:1:0")
+    plain, spun = sp.spec(cfg, 4, 32), sp.spec(cfg, 4, 32, spin=1600)
+    assert plain != spun and ("PROBE_SPIN", "1600") in spun.defines
+
+    def clock_reads(spec):  # S2UR / CS2R of SR_CLOCKLO..: the SM clock
+        text = sass_census.disassemble(jit.compile_kernel(spec).cubin)
+        return sum("SR_CLOCK" in line for line in text.splitlines())
+    assert clock_reads(spun) >= clock_reads(plain) + 1
+
+
 def test_table_marks_a_launch_that_did_not_run_at_once():
     row = dict(sp.parse_config("128:2:1"), config="128:2:1", registers=26, cycles_per_chunk=1500.0,
-               landed_bytes_per_clock=32.0, fetched_bytes_per_clock=21.3, fetched_tb_per_s=None, all_at_once=False)
-    lines = sp.table([row, dict(row, fetched_tb_per_s=5.4321, all_at_once=True)]).splitlines()
+               wait_cycles_per_chunk=1500.0, landed_bytes_per_clock=32.0, fetched_bytes_per_clock=21.3,
+               fetched_tb_per_s=None, all_at_once=False)
+    lines = sp.table([row, dict(row, fetched_tb_per_s=5.4321, all_at_once=True, spin=1000,
+                                wait_cycles_per_chunk=500.0)]).splitlines()
     assert lines[1].split()[-2:] == ["-", "NO"] and lines[2].split()[-2:] == ["5.43", "yes"]
+    assert lines[2].split()[1] == "1000" and lines[2].split()[6] == "500"
+
+
+def test_spin_must_not_be_negative():
+    with pytest.raises(SystemExit):
+        sp.main(["--compile-only", "--spin", "-5"])

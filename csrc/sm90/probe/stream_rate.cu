@@ -20,10 +20,16 @@
 //                   CTA loads half of the token rows, multicast
 // PROBE_CHECKSUM 1: the consumer warp adds up every stage's 32-bit words (tests/gpu: the bytes
 //                   arrived where they should); 0 for timing
+// PROBE_SPIN     SM clocks the consumer holds each stage before releasing it (the K loop's math on
+//                   the chunk, ~1600 for an FP8 128-token chunk): does the stream keep up with a
+//                   consumer at that pace, or does a chunk still wait for its stage (v23)?
 #include "../tma.cuh"
 
 #ifndef PROBE_CHECKSUM
 #define PROBE_CHECKSUM 0
+#endif
+#ifndef PROBE_SPIN
+#define PROBE_SPIN 0
 #endif
 #if PROBE_CLUSTER > 1
 #define PROBE_CLUSTER_DIMS __cluster_dims__(PROBE_CLUSTER, 1, 1)
@@ -36,6 +42,7 @@ namespace megamoe::probe {
 constexpr u32 kTokens = PROBE_TOKENS, kStages = PROBE_STAGES, kChunks = PROBE_CHUNKS;
 constexpr u32 kCluster = PROBE_CLUSTER, kShare = PROBE_SHARE;
 constexpr bool kChecksum = PROBE_CHECKSUM != 0;
+constexpr long long kSpin = PROBE_SPIN;
 constexpr u32 kWeightRows = 256, kRowBytes = 128;
 constexpr u32 kWeightBytes = kWeightRows * kRowBytes, kTokenBytes = kTokens * kRowBytes;
 constexpr u32 kStageBytes = kWeightBytes + kTokenBytes;
@@ -103,6 +110,11 @@ MEGAMOE_DEVICE u32 consume(const u8* stages, u64* full, u64* empty, u32 tasks) {
       for (u32 i = lane; i < kStageBytes / 16; i += 32) {
         const uint4 v = words[i];
         sum += v.x + v.y + v.z + v.w;
+      }
+    }
+    if constexpr (kSpin > 0) {  // the chunk's math, as a wait of the SM clock
+      const long long t0 = clock64();
+      while (clock64() - t0 < kSpin) {
       }
     }
     __syncwarp();
