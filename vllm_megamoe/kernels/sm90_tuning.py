@@ -5,7 +5,8 @@ Three sources, strongest first:
    VLLM_MEGAMOE_SM90_STAGES, VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64, 128 or auto);
 2. the tuning table, configs/sm90_mega_moe.yaml (shipped inside the package; another file with
    VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
-   bucket of tokens per rank, written by `python -m benchmarks.tune_sm90` from kernel_probe runs
+   bucket of tokens per rank (a tile of TILE_64_OR_128 where the probes did not time the 128-token
+   build: the model below picks), written by `python -m benchmarks.tune_sm90` from kernel_probe runs
    (read once per process: the op consults it on every call);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
@@ -41,7 +42,8 @@ AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows p
 # measured side of every case of that probe that is not a tie (graph time 128 over 64, FP8 / BF16:
 # 1.12 / 1.01 at 48 rows, 0.95-1.00 / 0.90-0.91 at 64, 0.87 / 0.84 at 96, 0.88-0.93 / 0.92-0.94 at
 # 128, 0.98 / 0.97 at 192, 0.88-0.89 / 0.90-0.92 at 256, 0.86 / 0.88 at 512 rows per expert).
-# FP8 128-token tiles: tma only. The EP2 table's entries predate the FP8 128-token build.
+# FP8 128-token tiles: tma only. The EP2 table's FP8 entries predate the FP8 128-token build: their
+# prefill buckets say TILE_64_OR_128 (below), so this model picks there too.
 TILE_128_TASK_TIME = 1.6
 TILE_128_HALF_TASK_TIME = 1.25  # a 128-token block of at most 64 rows
 
