@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Callable, Iterable
 
 
 def compile_report(log: str) -> dict:
@@ -25,6 +26,19 @@ def write_results(path: str, rows: list[dict], compile_only: bool) -> None:
         env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     with open(path, "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
+
+
+def report_rows(rows: Iterable[dict], table: Callable[[list[dict]], str], out: str | None, compile_only: bool) -> int:
+    """Each row's table line as it comes (a probe's rows compile and run one by one), then the whole
+    table, and the results file when `out` is set; the probe's exit status."""
+    done: list[dict] = []
+    for row in rows:
+        done.append(row)
+        print(table(done).splitlines()[-1], flush=True)
+    print(table(done))
+    if out:
+        write_results(out, done, compile_only)
+    return 0
 
 
 def probe_arguments(doc: str, configs: tuple, config_help: str, tasks: int) -> argparse.ArgumentParser:

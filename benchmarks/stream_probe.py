@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 
-from benchmarks.probe_io import compile_report, probe_arguments, write_results
+from benchmarks.probe_io import compile_report, probe_arguments, report_rows
 
 SOURCE, ENTRY = "sm90/probe/stream_rate.cu", "megamoe_stream_rate"
 CONFIGS = ("128:1:0", "128:2:0", "128:2:1", "128:2:2", "64:1:0", "64:2:1")
@@ -183,21 +183,17 @@ def main(argv=None) -> int:
         ap.error(f"--spin {args.spin}: clocks must be >= 0")
     from vllm_megamoe.kernels import jit
 
-    rows = []
-    for spin in args.spin:
-        for text in args.configs:
-            cfg = parse_config(text)
-            row = dict(config=text, **cfg, spin=spin, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
-                       tiles=args.tiles, blocks=args.blocks,
-                       **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks, spin=spin)).log))
-            if not args.compile_only:
-                row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks, spin=spin))
-            rows.append(row)
-            print(table(rows).splitlines()[-1], flush=True)
-    print(table(rows))
-    if args.out:
-        write_results(args.out, rows, args.compile_only)
-    return 0
+    def rows():
+        for spin in args.spin:
+            for text in args.configs:
+                cfg = parse_config(text)
+                row = dict(config=text, **cfg, spin=spin, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
+                           tiles=args.tiles, blocks=args.blocks,
+                           **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks, spin=spin)).log))
+                if not args.compile_only:
+                    row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks, spin=spin))
+                yield row
+    return report_rows(rows(), table, args.out, args.compile_only)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 
-from benchmarks.probe_io import compile_report, probe_arguments, write_results
+from benchmarks.probe_io import compile_report, probe_arguments, report_rows
 
 SOURCE, ENTRY = "sm90/probe/wgmma_rate.cu", "megamoe_wgmma_rate"
 # Dense FP8 MACs per SM and clock on H100 / H200: 1979 TFLOPS / (2 x 132 SMs x 1.83 GHz).
@@ -173,22 +173,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from vllm_megamoe.kernels import jit
 
-    rows = []
-    for text in args.configs:
-        cfg = parse_config(text)
-        if smem_bytes(cfg, args.stages) > 227 * 1024:
-            raise SystemExit(f"config {text}: {args.stages} stages need {smem_bytes(cfg, args.stages)} bytes of "
-                             "shared memory (an SM90 CTA has 232448); use fewer --stages")
-        row = dict(config=text, **cfg, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
-                   **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log))
-        if not args.compile_only:
-            row.update(run(cfg, args.stages, args.chunks, args.tasks))
-        rows.append(row)
-        print(table(rows).splitlines()[-1], flush=True)
-    print(table(rows))
-    if args.out:
-        write_results(args.out, rows, args.compile_only)
-    return 0
+    def rows():
+        for text in args.configs:
+            cfg = parse_config(text)
+            if smem_bytes(cfg, args.stages) > 227 * 1024:
+                raise SystemExit(f"config {text}: {args.stages} stages need {smem_bytes(cfg, args.stages)} bytes of "
+                                 "shared memory (an SM90 CTA has 232448); use fewer --stages")
+            row = dict(config=text, **cfg, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
+                       **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks)).log))
+            if not args.compile_only:
+                row.update(run(cfg, args.stages, args.chunks, args.tasks))
+            yield row
+    return report_rows(rows(), table, args.out, args.compile_only)
 
 
 if __name__ == "__main__":
