@@ -135,8 +135,7 @@ def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
     where prefers_128 (BF16, and FP8 with the tma mainloop), else 32."""
     if mainloop not in WGMMA_MAINLOOPS:
         return 32
-    rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
-    if rows_per_expert < AUTO_TILE_ROWS_PER_EXPERT:
+    if expected_rows_per_expert(shape, num_tokens, num_ranks) < AUTO_TILE_ROWS_PER_EXPERT:
         return 32
     return wide_tile(shape, fmt, num_tokens, num_ranks, mainloop, stages)
 
@@ -145,9 +144,13 @@ def wide_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainlo
               stages: Optional[int] = None) -> int:
     """128 where the padding model prefers it and a 128-token build exists for the layer, else 64
     (auto_tile above 32, and a table bucket whose tile is TILE_64_OR_128)."""
-    rows_per_expert = num_tokens * num_ranks * shape.topk / shape.num_experts
-    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages) and prefers_128(rows_per_expert)
-            else 64)
+    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages)
+            and prefers_128(expected_rows_per_expert(shape, num_tokens, num_ranks)) else 64)
+
+
+def expected_rows_per_expert(shape: MoEShape, num_tokens: int, num_ranks: int) -> float:
+    """Rows a local expert receives in a call with `num_tokens` on every rank, uniform routing."""
+    return num_tokens * num_ranks * shape.topk / shape.num_experts
 
 
 def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, mainloop: str,
