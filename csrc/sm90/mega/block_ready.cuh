@@ -1,9 +1,12 @@
-// L1 -> L2 dependencies per token block instead of a grid-wide barrier between the phases: the
-// L2 tasks of token block b read the staging_l2 rows that the kL1Tiles L1 tasks of block b write,
-// so each L1 task counts itself done on its block and each L2 task waits for its block alone.
-// CTAs that run out of L1 tasks start L2 work at once instead of idling at a barrier until the
-// slowest CTA's last L1 task ends. No deadlock: every CTA runs all its L1 tasks before its first
-// L2 task, and all CTAs are co-resident. The counters are zeroed at the end of the call.
+// Dependencies per token block instead of grid-wide barriers between the phases. Block b's
+// counter (l1_block_done) counts what has been done for it in this call, in the order it happens:
+// first its rows pulled into staging (one per row, by the warps that pull them), then its kL1Tiles
+// L1 tasks (one each, after their staging_l2 stores). An L1 task of block b waits until the
+// counter reaches the block's rows, an L2 task until it reaches rows + kL1Tiles. CTAs that finish
+// their share of the pull start L1 work at once, and those that run out of L1 tasks start L2 work,
+// instead of idling at a barrier until the slowest CTA is done. No deadlock: every CTA pulls its
+// share before its first L1 task and runs all its L1 tasks before its first L2 task, and all CTAs
+// are co-resident. The counters are zeroed at the end of the call.
 #pragma once
 #include "../ptx.cuh"
 #include "params.cuh"
@@ -14,53 +17,84 @@ namespace megamoe::mega {
 constexpr u32 kL1Tiles = 2 * kInter / kTileRows;  // L1 tasks per token block
 constexpr u32 kL2Tiles = kHidden / kTileRows;     // L2 tasks per token block
 
+// The token block of staging row `row` of local expert `e` (rows are laid out expert by expert,
+// each expert's rows in blocks of kTileTokens).
+MEGAMOE_DEVICE u32 block_of_row(const ExpertTable& table, u32 e, u32 row) {
+  return table.block_start[e] + (row - table.row_start[e]) / kTileTokens;
+}
+
+// One lane per pulled row, after its warp's stores of the row (a __syncwarp between): release them
+// to the L1 tasks of `block`.
+MEGAMOE_DEVICE void publish_pulled_row(const Regions& me, u32 block) { atom_add_release_gpu(me.l1_block_done() + block, 1); }
+
 // One thread, after the L1 task's stores and a barrier over the threads that made them: release
 // them to the L2 tasks of `block`.
 MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) { atom_add_release_gpu(me.l1_block_done() + block, 1); }
 
-// Thread 0: whether every L1 tile of `block` is done (acquire; counts only grow within a call).
-MEGAMOE_DEVICE bool l1_block_ready(const Regions& me, u32 block) {
-  return ld_acquire_gpu(me.l1_block_done() + block) >= kL1Tiles;
+// Thread 0: whether `block`'s counter reached `need` (acquire; counts only grow within a call).
+MEGAMOE_DEVICE bool block_reached(const Regions& me, u32 block, u32 need) {
+  return ld_acquire_gpu(me.l1_block_done() + block) >= need;
 }
 
-// What a CTA knows between its L2 tasks' block checks: `known_ready` (thread 0: a block it has
-// acquired as ready already, ~0u: none) and two shared flags used in turn, so that the flag of
-// one task is never rewritten while a thread may still read it (no second barrier per task).
+// What a CTA knows between its tasks' block checks in one phase: `known_ready` (thread 0: a block
+// it has acquired as ready already, ~0u: none) and two shared flags used in turn, so that the flag
+// of one task is never rewritten while a thread may still read it (no second barrier per task).
 struct BlockReadyState {
   u32* flags;  // two shared words
   u32 turn;
   u32 known_ready;
 };
 
-// Before an L2 task of `block` reads staging_l2: wait (thread 0, with the call's deadline) until
-// its L1 tiles are done. Also tells the CTA whether `next_block` (or ~0u: none) is ready already,
-// the condition for streaming the next task's first stages in during this one (mainloop_smem.cuh).
-// A block found ready by the previous task's look at its next block is not loaded again: tasks
-// run one weight tile's token blocks in order, so the common case is one acquire per task.
-// Ends with an mma_barrier, after which every MMA thread may read the block's rows.
-MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, u32 block, u32 next_block, BlockReadyState& rs) {
+// Before a task of `block` reads what its phase waits for: wait (thread 0, with the call's
+// deadline) until the block's counter reaches `need`. Also tells the CTA whether `next_block` (or
+// ~0u: none) has reached `next_need` already, the condition for streaming the next task's first
+// stages in during this one (mainloop_smem.cuh). A block found ready by the previous task's look at
+// its next block is not loaded again: tasks run one weight tile's token blocks in order, so the
+// common case is one acquire per task. Ends with an mma_barrier, after which every MMA thread may
+// read the block's rows. `phase`: kPhasePull (an L1 task waiting for its rows) or kPhaseL1 (an L2
+// task waiting for its block's L1 tiles), for the timeout's report.
+MEGAMOE_DEVICE bool wait_block(const Params& p, const Regions& me, u32 block, u32 need, u32 next_block, u32 next_need,
+                               BlockReadyState& rs, int phase) {
   if (threadIdx.x == 0) {
-    if (block != rs.known_ready && !l1_block_ready(me, block)) {
+    if (block != rs.known_ready && !block_reached(me, block, need)) {
       const Deadline deadline{global_timer_ns(), p.timeout_ns};
-      while (!l1_block_ready(me, block)) {
+      while (!block_reached(me, block, need)) {
         if (deadline.expired()) {
-          report_and_trap(p.error_record, kErrorBlockTimeout, p.rank, kPhaseL1, static_cast<int>(block),
-                          static_cast<int>(ld_acquire_gpu(me.l1_block_done() + block)), static_cast<int>(kL1Tiles));
+          report_and_trap(p.error_record, kErrorBlockTimeout, p.rank, phase, static_cast<int>(block),
+                          static_cast<int>(ld_acquire_gpu(me.l1_block_done() + block)), static_cast<int>(need));
           break;  // never reached (see wait_stage)
         }
       }
     }
-    const bool next_ready = next_block != ~0u && (next_block == block || l1_block_ready(me, next_block));
+    const bool next_ready = next_block != ~0u && (next_block == block || block_reached(me, next_block, next_need));
     rs.known_ready = next_ready ? next_block : block;
     rs.flags[rs.turn] = next_ready;
 #if MEGAMOE_SMEM_MAINLOOP >= 3
-    fence_proxy_async_global();  // the block's staging_l2 rows were stored by other CTAs; TMA reads them
+    fence_proxy_async_global();  // the block's staging rows were stored by other CTAs; TMA reads them
 #endif
   }
   mma_barrier();
   const bool next_ready = rs.flags[rs.turn] != 0;
   rs.turn ^= 1;  // the other flag next time: this one may still be read until that task's barrier
   return next_ready;
+}
+
+// The rows of token block `block` of local expert `e` (task_rows' count).
+MEGAMOE_DEVICE u32 block_rows(const ExpertTable& table, u32 block, u32 e) { return task_rows(table, block, e).num_rows; }
+
+// An L1 task of `block` (expert e): wait until its rows are pulled. next_block / next_e: the CTA's
+// next L1 task's, or ~0u.
+MEGAMOE_DEVICE bool wait_pulled_block(const Params& p, const Regions& me, const ExpertTable& table, u32 block, u32 e,
+                                      u32 next_block, u32 next_e, BlockReadyState& rs) {
+  return wait_block(p, me, block, block_rows(table, block, e), next_block,
+                    next_block == ~0u ? 0 : block_rows(table, next_block, next_e), rs, kPhasePull);
+}
+
+// An L2 task of `block` (expert e): wait until its rows are pulled and its L1 tiles done.
+MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, const ExpertTable& table, u32 block, u32 e,
+                                  u32 next_block, u32 next_e, BlockReadyState& rs) {
+  return wait_block(p, me, block, block_rows(table, block, e) + kL1Tiles, next_block,
+                    next_block == ~0u ? 0 : block_rows(table, next_block, next_e) + kL1Tiles, rs, kPhaseL1);
 }
 
 // After the combine barrier (every L2 task of this rank is done): zero the counters of the

@@ -50,7 +50,6 @@ constexpr u64 kOffL1BlockDone = MEGAMOE_OFF_l1_block_done;
 constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
 
 // Workspace slots (int32 indices into the workspace region).
-constexpr u32 kSlotGridSync = MEGAMOE_SLOT_grid_sync_0;
 constexpr u32 kSlotRankArrivals = MEGAMOE_SLOT_rank_arrivals;
 constexpr u32 kSlotNvlArrived = MEGAMOE_SLOT_nvl_arrived_0_0;  // [barrier][source rank], kNvlArrivedRanks per barrier
 constexpr u32 kNvlArrivedRanks = MEGAMOE_SLOT_nvl_arrived_1_0 - MEGAMOE_SLOT_nvl_arrived_0_0;

@@ -3,6 +3,7 @@
 // then pull each announced token once from its source's buffer into the local staging rows of
 // all its pairs, grouped by local expert.
 #pragma once
+#include "block_ready.cuh"
 #include "conv.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
@@ -219,8 +220,9 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
 
 // Pulls every token a source rank listed for this rank from that rank's buffer, once (over
 // NVLink, or from this rank's own x), and stores it into the staging row of each of its pairs
-// here, with the row's scales, top-k weight and (src rank, token, slot, e). One warp per listed
-// token; a token with three experts here crosses NVLink once instead of three times.
+// here, with the row's scales, top-k weight and (src rank, token, slot, e), then releases each row
+// to its token block's L1 tasks (block_ready.cuh: no grid barrier between the pull and L1). One
+// warp per listed token; a token with three experts here crosses NVLink once instead of three times.
 MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
   u32 listed[kNumRanks], total = 0;
@@ -302,6 +304,8 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
       reinterpret_cast<int4*>(me.staging_meta())[my_row] =
           make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(lane), static_cast<int>(my_e));
     }
+    __syncwarp();  // every lane's stores of the rows, before lane k releases slot k's row
+    if (my_row >= 0) publish_pulled_row(me, block_of_row(table, my_e, static_cast<u32>(my_row)));
   }
 }
 
