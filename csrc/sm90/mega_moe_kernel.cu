@@ -70,7 +70,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   task_clock_init(p, clock);
 #if MEGAMOE_SMEM_MAINLOOP
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
-  init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the first grid sync)
+  init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the dispatch barrier)
   if (threadIdx.x == 0) init_handoff(epilogue);  // the epilogue warpgroup's (likewise)
 #else
   MainloopSmem* mainloop = nullptr;

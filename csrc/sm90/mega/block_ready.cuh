@@ -1,6 +1,7 @@
 // Dependencies per token block instead of grid-wide barriers between the phases. Block b's
 // counter (l1_block_done) counts what has been done for it in this call, in the order it happens:
-// first its rows pulled into staging (one per row, by the warps that pull them), then its kL1Tiles
+// first its rows pulled into staging (one per row, by the warps that pulled them, once each warp's
+// pulls are done), then its kL1Tiles
 // L1 tasks (one each, after their staging_l2 stores). An L1 task of block b waits until the
 // counter reaches the block's rows, an L2 task until it reaches rows + kL1Tiles. CTAs that finish
 // their share of the pull start L1 work at once, and those that run out of L1 tasks start L2 work,
@@ -23,9 +24,9 @@ MEGAMOE_DEVICE u32 block_of_row(const ExpertTable& table, u32 e, u32 row) {
   return table.block_start[e] + (row - table.row_start[e]) / kTileTokens;
 }
 
-// One lane per pulled row, after its warp's stores of the row (a __syncwarp between): release them
-// to the L1 tasks of `block`.
-MEGAMOE_DEVICE void publish_pulled_row(const Regions& me, u32 block) { atom_add_release_gpu(me.l1_block_done() + block, 1); }
+// One lane per pulled row, after a __syncwarp and a fence over its warp's stores of every row it
+// pulled (pull_rows): count the row on `block` (with that fence, a release to its L1 tasks).
+MEGAMOE_DEVICE void count_pulled_row(const Regions& me, u32 block) { red_add_relaxed_gpu(me.l1_block_done() + block, 1); }
 
 // One thread, after the L1 task's stores and a barrier over the threads that made them: release
 // them to the L2 tasks of `block`.

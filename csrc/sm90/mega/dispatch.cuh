@@ -223,6 +223,37 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
 // here, with the row's scales, top-k weight and (src rank, token, slot, e), then releases each row
 // to its token block's L1 tasks (block_ready.cuh: no grid barrier between the pull and L1). One
 // warp per listed token; a token with three experts here crosses NVLink once instead of three times.
+// Pull item `item` (a token some rank listed for this rank, counted over the ranks' lists): its
+// source rank, its place in that rank's list here (`at`), and for lane k < kTopk the staging row
+// of slot k's pair here (-1: none, or beyond the published count) and the pair's local expert.
+struct PullSlot {
+  u32 src;
+  u64 at;
+  int row;
+  u32 e;
+};
+
+MEGAMOE_DEVICE PullSlot pull_slot(const ExpertTable& table, const Regions& me, const u32 (&listed)[kNumRanks], u32 item,
+                                  u32 lane) {
+  PullSlot s{0, 0, -1, 0};
+  u32 j = item;
+#pragma unroll
+  for (u32 r = 0; r + 1 < kNumRanks; ++r)  // unrolled: `listed` stays in registers
+    if (s.src == r && j >= listed[r]) j -= listed[r], s.src = r + 1;
+  s.at = static_cast<u64>(s.src) * kMaxTokens + j;
+  if (lane < kTopk) {
+    const int entry = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_pairs() + s.at * kBufTopk + lane)));
+    if (entry >= 0) {
+      const u32 e = static_cast<u32>(entry) / kMaxTokens, position = static_cast<u32>(entry) % kMaxTokens;
+      u32 row = table.row_start[e] + position;
+      for (u32 r = 0; r < s.src; ++r) row += table.src_count[e][r];
+      s.row = position < table.src_count[e][s.src] ? static_cast<int>(row) : -1;
+      s.e = e;
+    }
+  }
+  return s;
+}
+
 MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
   u32 listed[kNumRanks], total = 0;
@@ -233,25 +264,11 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
   }
   static_assert(kTopk <= 32, "one top-k slot per lane");
   for (u32 item = global_warp(); item < total; item += total_warps()) {
-    u32 src = 0, j = item;
-#pragma unroll
-    for (u32 r = 0; r + 1 < kNumRanks; ++r)  // unrolled: `listed` stays in registers
-      if (src == r && j >= listed[r]) j -= listed[r], src = r + 1;
-    const u64 at = static_cast<u64>(src) * kMaxTokens + j;
-    const u32 token = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_tokens() + at));
-    // Lane k < kTopk: the staging row of slot k's pair here, or -1.
-    int my_row = -1;
-    u32 my_e = 0;
-    if (lane < kTopk) {
-      const int entry = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_pairs() + at * kBufTopk + lane)));
-      if (entry >= 0) {
-        const u32 e = static_cast<u32>(entry) / kMaxTokens, position = static_cast<u32>(entry) % kMaxTokens;
-        u32 row = table.row_start[e] + position;
-        for (u32 r = 0; r < src; ++r) row += table.src_count[e][r];
-        my_row = position < table.src_count[e][src] ? static_cast<int>(row) : -1;  // -1: beyond the published count
-        my_e = e;
-      }
-    }
+    const PullSlot slot = pull_slot(table, me, listed, item, lane);
+    const u32 src = slot.src;
+    const u32 token = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_tokens() + slot.at));
+    const int my_row = slot.row;  // lane k < kTopk: the staging row of slot k's pair here, or -1
+    const u32 my_e = slot.e;
     int rows[kTopk];
 #pragma unroll
     for (u32 k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, my_row, k);
@@ -304,8 +321,16 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
       reinterpret_cast<int4*>(me.staging_meta())[my_row] =
           make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(lane), static_cast<int>(my_e));
     }
-    __syncwarp();  // every lane's stores of the rows, before lane k releases slot k's row
-    if (my_row >= 0) publish_pulled_row(me, block_of_row(table, my_e, static_cast<u32>(my_row)));
+  }
+  // The warp's rows to their token blocks' L1 tasks: one fence after all the warp's stores, then a
+  // relaxed add per row (the fence and the add make a release), the rows found again from their
+  // pairs (an L2-resident reload per item). A release per item drained the warp's stores before it
+  // could issue its next token's loads.
+  __syncwarp();
+  __threadfence();
+  for (u32 item = global_warp(); item < total; item += total_warps()) {
+    const PullSlot slot = pull_slot(table, me, listed, item, lane);
+    if (slot.row >= 0) count_pulled_row(me, block_of_row(table, slot.e, static_cast<u32>(slot.row)));
   }
 }
 

@@ -51,7 +51,8 @@ struct Regions {
   MEGAMOE_DEVICE float* staging_l1_scale() const { return reinterpret_cast<float*>(base + kOffStagingL1Scale); }
   MEGAMOE_DEVICE u8* staging_l2() const { return base + kOffStagingL2; }
   MEGAMOE_DEVICE float* staging_l2_scale() const { return reinterpret_cast<float*>(base + kOffStagingL2Scale); }
-  // [blocks]: L1 tiles finished per token block this call (zeroed again at the end of the call).
+  // [blocks]: per token block this call, rows pulled + L1 tiles finished (block_ready.cuh; zeroed
+  // again at the end of the call).
   MEGAMOE_DEVICE u32* l1_block_done() const { return reinterpret_cast<u32*>(base + kOffL1BlockDone); }
   MEGAMOE_DEVICE u16* combine() const { return reinterpret_cast<u16*>(base + kOffCombine); }
 };

@@ -1,4 +1,5 @@
-// Grid-wide and cross-rank (NVLink) barriers. Every wait has a deadline on the global timer and,
+// Cross-rank (NVLink) barriers and the kernel's shared waits (the per-token-block waits are in
+// block_ready.cuh). Every wait has a deadline on the global timer and,
 // when it passes, prints which rank and phase stalled with the counter values, then traps:
 // a lost peer or a starved grid becomes an error, never a hung GPU.
 #pragma once
@@ -88,6 +89,10 @@ struct Deadline {
   u64 start_ns, timeout_ns;
   MEGAMOE_DEVICE bool expired() const { return global_timer_ns() - start_ns > timeout_ns; }
 };
+
+MEGAMOE_DEVICE void red_add_relaxed_gpu(u32* p, u32 v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 MEGAMOE_DEVICE void red_inc_relaxed_gpu(u32* p, u32 limit) {  // old >= limit: back to 0
   asm volatile("red.relaxed.gpu.global.inc.u32 [%0], %1;" ::"l"(p), "r"(limit) : "memory");
