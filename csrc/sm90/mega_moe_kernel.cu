@@ -105,13 +105,17 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 #if MEGAMOE_EPILOGUE_WARPGROUP
   // Warpgroups 0-1 run the K loops with most of the registers, warpgroup 2 the epilogues
   // (epilogue_warpgroup.cuh); every warp takes the launch's share again for the phases after.
+  // Between two setmaxnreg of a warpgroup its warps meet at a barrier (the PTX ISA's rule): a CTA
+  // without tasks may otherwise pass from one to the next without any.
   if (threadIdx.x >= kNumMmaThreads) {
     setmaxnreg_dec<kEpilogueRegs>();
     run_epilogue_warpgroup(epilogue, p);
+    named_barrier_sync(kBarrierEpilogue, kEpilogueWarps * 32);
     setmaxnreg_inc<kLaunchRegs>();
   } else {
     setmaxnreg_inc<kMmaRegs>();
     gemm_phases(table, epilogue, clock, p, w13_map, w2_map, l1_map, l2_map);
+    mma_barrier();
     setmaxnreg_dec<kLaunchRegs>();
   }
   __syncthreads();  // the epilogue warpgroup's last combine writes, before the barrier's release
