@@ -64,6 +64,9 @@ WORKSPACE_SLOTS = (
     # by the same amount every call (csrc/sm90/mega/sync.cuh); nvl_barrier_signal_* are what older
     # kernel trees used, kept so that they still build under this layout for A/B runs
     *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(NVL_ARRIVED_RANKS)),
+    # SM90 kernel, this call (back to 0 after): warps done pulling, and L1 tiles published; once a
+    # count is complete, a CTA's GEMM tasks stop checking their token blocks (block_ready.cuh)
+    "pulled_warps", "l1_tiles_done",
 )
 WORKSPACE_INTS = 64
 assert len(WORKSPACE_SLOTS) <= WORKSPACE_INTS

@@ -37,7 +37,7 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   __shared__ u32 task_slot;
   // No grid sync after the pull: each L1 task waits for the rows of its own token block.
   __shared__ u32 l1_pulled_flags[2];
-  BlockReadyState l1_pulled{l1_pulled_flags, 0, ~0u};
+  BlockReadyState l1_pulled{l1_pulled_flags, 0, ~0u, false, false};
   MainloopState<kHidden> l1_state{0, false, kPhaseL1};
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
@@ -49,7 +49,7 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flags[2];
-  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u};
+  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u, false, false};
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   l2_state.handoffs = l1_state.handoffs;                           // and so do the epilogue hand-offs
   loop_start(p, clock);

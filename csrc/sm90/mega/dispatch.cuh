@@ -11,8 +11,6 @@
 
 namespace megamoe::mega {
 
-MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
-MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
 
 // x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 256 values):
 // a lane loads 16 bytes, each half-warp is one 128-value scale group (hidden is a multiple of
@@ -332,6 +330,8 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
     const PullSlot slot = pull_slot(table, me, listed, item, lane);
     if (slot.row >= 0) count_pulled_row(me, block_of_row(table, slot.e, static_cast<u32>(slot.row)));
   }
+  __syncwarp();
+  if (lane == 0) count_pulled_warp(me);  // the rows' stores were fenced above: with it, a release
 }
 
 }  // namespace megamoe::mega

@@ -5,6 +5,10 @@
 
 namespace megamoe::mega {
 
+// The launch's warps, counted across CTAs (the staging and pull phases share items out by them).
+MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
+MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
+
 struct Params {
   const u16* x;               // [T, H] bf16: this rank's tokens
   const void* topk_idx;       // [T, K] global expert ids, -1 masked: int32, or int64 when topk_idx_int64

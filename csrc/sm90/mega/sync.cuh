@@ -43,6 +43,10 @@ MEGAMOE_DEVICE u32 atom_add_release_gpu(u32* p, u32 v) {
   return old;
 }
 
+MEGAMOE_DEVICE void red_add_release_gpu(u32* p, u32 v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 MEGAMOE_DEVICE void red_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
