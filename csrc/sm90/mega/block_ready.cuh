@@ -32,9 +32,11 @@ MEGAMOE_DEVICE void count_pulled_row(const Regions& me, u32 block) { red_add_rel
 
 // One thread, after the L1 task's stores and a barrier over the threads that made them: release
 // them to the L2 tasks of `block`, and count the tile for the whole phase (every_block_ready).
+// One fence makes both adds releases (a second release waited for the first add's round trip).
 MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) {
-  atom_add_release_gpu(me.l1_block_done() + block, 1);
-  red_add_release_gpu(reinterpret_cast<u32*>(me.workspace()) + kSlotL1TilesDone, 1);
+  fence_acq_rel_gpu();
+  red_add_relaxed_gpu(me.l1_block_done() + block, 1);
+  red_add_relaxed_gpu(reinterpret_cast<u32*>(me.workspace()) + kSlotL1TilesDone, 1);
 }
 
 // One lane per warp, after its warp's pulled rows were counted (pull_rows): the warp is done.

@@ -43,6 +43,8 @@ MEGAMOE_DEVICE u32 atom_add_release_gpu(u32* p, u32 v) {
   return old;
 }
 
+MEGAMOE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 MEGAMOE_DEVICE void red_add_release_gpu(u32* p, u32 v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
