@@ -30,7 +30,8 @@
 #   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
 #                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
 #                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
-#                rounds in turn), then memcheck and racecheck, within BUDGET s
+#                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
+#                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -140,7 +141,7 @@ case "${STEP:-verify}" in
     done ;;
   one_gpu)  # ~9 min on one H200: what a change needs before it merges when no second GPU is lent
     T0=$(date +%s); left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
-    timeout 170 python3 -m pytest $T -o timeout=160 tests/gpu/test_sm90_mega_moe.py -k one_gpu > "$OUT/kernel_tests_1gpu.log" 2>&1
+    timeout ${TEST_TIMEOUT:-170} python3 -m pytest $T -o timeout=160 tests/gpu/test_sm90_mega_moe.py -k one_gpu > "$OUT/kernel_tests_1gpu.log" 2>&1
     tail -2 "$OUT/kernel_tests_1gpu.log"
     # the same GPU time-slices the ranks' kernels: a short kernel timeout keeps a stuck wait short
     MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 timeout 150 python3 -m pytest $T -o timeout=140 \
@@ -150,10 +151,11 @@ case "${STEP:-verify}" in
     # this tree and every BASES tree in one process, in turn for ROUNDS rounds (a GPU drifts
     # within a call: a build run twice can differ by more than a change does at 1-8 tokens)
     AB="${VARIANTS:-default}"; for b in ${BASES:-}; do AB="$AB csrc=$b/csrc"; done
-    [ "$(left)" -gt 100 ] && timeout $(( $(left) / 2 )) python3 -m benchmarks.kernel_probe --gpus 1 \
+    D=2; [ -n "${NO_SANITIZE:-}" ] && D=1  # NO_SANITIZE=1: the probe takes what is left
+    [ "$(left)" -gt 100 ] && timeout $(( $(left) / D - 10 )) python3 -m benchmarks.kernel_probe --gpus 1 \
       --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
       --rounds ${ROUNDS:-2} --out "$OUT/probe_1gpu_ab.json" 2>&1 | tail -24
-    L=$(left); [ "$L" -gt 60 ] && sanitize $(( L / 2 - 5 )) ;;
+    L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
   tree128)  # ~8 min, one H200: a source tree in TREE (default .probe_e128: `mkdir -p .probe_e128 && git
             # archive next/epilogue-128 csrc | tar -x -C .probe_e128` before the call) against this tree at
             # 128-token tiles: TREE's kernel through the forced-tile, clamp, epilogue-warpgroup and one-GPU

@@ -342,7 +342,8 @@ def test_error_record_phases_match_the_kernel():
                                                  error_record.KIND_STAGING_FULL, error_record.KIND_BLOCK_TIMEOUT,
                                                  error_record.KIND_STAGE_TIMEOUT, error_record.KIND_HANDOFF_TIMEOUT}
     assert all(error_record.describe([int(v), 0, 3, 5, 7, 2, 6, 0]) for v in kinds.values())
-    assert "token block 7 has 2 of its 6 L1 tiles" in error_record.describe([4, 1, 3, 5, 7, 2, 6, 0])
+    msg = error_record.describe([4, 1, 2, 5, 7, 2, 6, 0])  # an L1 task waiting for its block's rows
+    assert "pull -> L1 (token block pulled): token block 7 reached 2 of 6" in msg and "rows pulled" in msg
     msg = error_record.describe([2, 0, 1, 0, 1, 1, 2, 0])
     assert msg == ("megamoe: rank 0 timed out in dispatch (NVLink barrier): 1 of 2 ranks arrived, rank 1 did not; "
                    "a peer rank did not launch this call or died.")

@@ -24,7 +24,7 @@ Regions, in order (each 128-byte aligned):
   staging_l1_scale    f32 [S, H/128]    (fp8-block only)
   staging_l2          fp8/bf16 [S, I]   SwiGLU outputs (L2 input)
   staging_l2_scale    f32 [S, I/128]    (fp8-block only)
-  l1_block_done       int32 [S/32 + El] SM90 kernel: L1 tiles finished per 32-row token block
+  l1_block_done       int32 [S/32 + El] SM90 kernel: per token block, rows pulled + L1 tiles finished
   combine             bf16 [C, T, H]    expert outputs written by peers, C = K (+1 shared slot)
   combine_trash       bf16 [1, H]       directly after combine: target of masked writes
 with E experts, R ranks, El = E/R local experts, T = max tokens per rank, H hidden,
@@ -53,7 +53,7 @@ KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks 
 NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's rank limit
 # Slots of the int32 workspace region; the names are shared with csrc/ through c_header().
 WORKSPACE_SLOTS = (
-    "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",
+    "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",  # older kernel trees' grid barriers (A/B runs)
     "nvl_barrier_signal_0", "nvl_barrier_signal_1",  # SM90 kernel: arrivals of all ranks, growing
     "l1_task_counter", "l2_task_counter",
     "num_tokens",      # tokens this rank holds in the current call (peers read it)
@@ -64,6 +64,9 @@ WORKSPACE_SLOTS = (
     # by the same amount every call (csrc/sm90/mega/sync.cuh); nvl_barrier_signal_* are what older
     # kernel trees used, kept so that they still build under this layout for A/B runs
     *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(NVL_ARRIVED_RANKS)),
+    # SM90 kernel, this call (back to 0 after): warps done pulling, and L1 tiles published; once a
+    # count is complete, a CTA's GEMM tasks stop checking their token blocks (block_ready.cuh)
+    "pulled_warps", "l1_tiles_done",
 )
 WORKSPACE_INTS = 64
 assert len(WORKSPACE_SLOTS) <= WORKSPACE_INTS

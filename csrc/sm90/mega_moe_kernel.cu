@@ -1,7 +1,7 @@
 // The fused SM90 mega MoE kernel: one persistent launch per MoE layer and rank.
 //   stage + announce -> [NVLink barrier] -> counts read from the peers, pull -> L1 + SwiGLU -> (per token
 //   block) L2 + combine writes -> [NVLink barrier] -> top-k reduce -> counters reset
-// The pull and L1 are separated by a grid-wide barrier, L1 -> L2 by per-token-block counters;
+// The pull -> L1 and L1 -> L2 dependencies are per-token-block counters (block_ready.cuh);
 // the 32- and 64-token TMA builds run the GEMM epilogues on a third warpgroup (epilogue_warpgroup.cuh);
 // GEMM tasks go to CTAs in index order as they ask (task_queue.cuh);
 // every CTA of the grid must be resident (the host checks occupancy) and every wait times out
@@ -35,10 +35,13 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
   const u32 blocks = table.block_start[kNumLocalExperts];
   __shared__ u32 task_slot;
+  // No grid sync after the pull: each L1 task waits for the rows of its own token block.
+  __shared__ u32 l1_pulled_flags[2];
+  BlockReadyState l1_pulled{l1_pulled_flags, 0, ~0u, false, false};
   MainloopState<kHidden> l1_state{0, false, kPhaseL1};
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
-    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, clock);
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock);
   });
   loop_end(p, clock, kSpanL1Loop);
   mark_phase(p, kMarkL1Done);
@@ -46,7 +49,7 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   mark_phase(p, kMarkL2Start);
 
   __shared__ u32 l2_ready_flags[2];
-  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u};
+  BlockReadyState l2_ready{l2_ready_flags, 0, ~0u, false, false};
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   l2_state.handoffs = l1_state.handoffs;                           // and so do the epilogue hand-offs
   loop_start(p, clock);
@@ -67,7 +70,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   task_clock_init(p, clock);
 #if MEGAMOE_SMEM_MAINLOOP
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
-  init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the first grid sync)
+  init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the dispatch barrier)
   if (threadIdx.x == 0) init_handoff(epilogue);  // the epilogue warpgroup's (likewise)
 #else
   MainloopSmem* mainloop = nullptr;
@@ -82,7 +85,6 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
     tma_prefetch_descriptor(maps.l2);
   }
 #endif
-  u32* grid_counter = reinterpret_cast<u32*>(me.workspace() + kSlotGridSync);
   const u32 num_ctas = gridDim.x;
   // Calls made on this buffer before this one (CTA 0 bumps it at the end, once every CTA passed
   // the last NVLink barrier): the NVLink barriers' targets.
@@ -98,22 +100,22 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   build_expert_table(table, p, me);
   pull_rows(table, p, me);
   mark_phase(p, kMarkPulled);
-  grid_sync(grid_counter, num_ctas, p.rank, kPhasePull, p.timeout_ns, p.error_record);
-#if MEGAMOE_SMEM_MAINLOOP >= 3
-  if (threadIdx.x == 0) fence_proxy_async_global();  // pulled rows (generic stores) before TMA reads them
-#endif
-  mark_phase(p, kMarkL1Start);
+  mark_phase(p, kMarkL1Start);  // (no barrier between: the L1 tasks wait per token block)
 
 #if MEGAMOE_EPILOGUE_WARPGROUP
   // Warpgroups 0-1 run the K loops with most of the registers, warpgroup 2 the epilogues
   // (epilogue_warpgroup.cuh); every warp takes the launch's share again for the phases after.
+  // Between two setmaxnreg of a warpgroup its warps meet at a barrier (the PTX ISA's rule): a CTA
+  // without tasks may otherwise pass from one to the next without any.
   if (threadIdx.x >= kNumMmaThreads) {
     setmaxnreg_dec<kEpilogueRegs>();
     run_epilogue_warpgroup(epilogue, p);
+    named_barrier_sync(kBarrierEpilogue, kEpilogueWarps * 32);
     setmaxnreg_inc<kLaunchRegs>();
   } else {
     setmaxnreg_inc<kMmaRegs>();
     gemm_phases(table, epilogue, clock, p, w13_map, w2_map, l1_map, l2_map);
+    mma_barrier();
     setmaxnreg_dec<kLaunchRegs>();
   }
   __syncthreads();  // the epilogue warpgroup's last combine writes, before the barrier's release

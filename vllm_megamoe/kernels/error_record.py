@@ -21,8 +21,8 @@ from ..errors import BarrierTimeoutError, MegaMoEError
 logger = logging.getLogger(__name__)
 
 # Same order as enum Phase in csrc/sm90/mega/sync.cuh (tests/test_kernel_compile.py checks it).
-PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull (grid sync)", "L1 -> L2 (token block ready)",
-          "L2 / combine (NVLink barrier)", "combine reduce")
+PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull -> L1 (token block pulled)",
+          "L1 -> L2 (token block ready)", "L2 / combine (NVLink barrier)", "combine reduce")
 KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT = 1, 2, 3, 4, 5
 KIND_HANDOFF_TIMEOUT = 6
 RECORD_INTS = 8
@@ -48,10 +48,10 @@ def describe(values: list[int]) -> Optional[str]:
     if kind == KIND_NVLINK_TIMEOUT:
         return (f"megamoe: rank {rank} timed out in {where}: {a} of {c} ranks arrived, rank {b} did not; "
                 "a peer rank did not launch this call or died.")
-    if kind == KIND_BLOCK_TIMEOUT:
-        return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: token block {a} has {b} of its {c} L1 "
-                "tiles after the timeout; were all CTAs resident? Lower VLLM_MEGAMOE_NUM_SMS if other "
-                "kernels occupy SMs.")
+    if kind == KIND_BLOCK_TIMEOUT:  # the block's counter: its rows pulled, then its L1 tiles done
+        return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: token block {a} reached {b} of {c} "
+                "(its rows pulled, then its L1 tiles done) after the timeout; were all CTAs resident? Lower "
+                "VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.")
     if kind == KIND_STAGE_TIMEOUT:
         return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: TMA stage {a} (use {b}) never landed; "
                 "a copy that does not complete is a kernel bug: please report it with this line, and run "

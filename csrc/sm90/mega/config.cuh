@@ -50,12 +50,13 @@ constexpr u64 kOffL1BlockDone = MEGAMOE_OFF_l1_block_done;
 constexpr u64 kOffCombine = MEGAMOE_OFF_combine;
 
 // Workspace slots (int32 indices into the workspace region).
-constexpr u32 kSlotGridSync = MEGAMOE_SLOT_grid_sync_0;
 constexpr u32 kSlotRankArrivals = MEGAMOE_SLOT_rank_arrivals;
 constexpr u32 kSlotNvlArrived = MEGAMOE_SLOT_nvl_arrived_0_0;  // [barrier][source rank], kNvlArrivedRanks per barrier
 constexpr u32 kNvlArrivedRanks = MEGAMOE_SLOT_nvl_arrived_1_0 - MEGAMOE_SLOT_nvl_arrived_0_0;
 constexpr u32 kSlotL1TaskCounter = MEGAMOE_SLOT_l1_task_counter;
 constexpr u32 kSlotL2TaskCounter = MEGAMOE_SLOT_l2_task_counter;
+constexpr u32 kSlotPulledWarps = MEGAMOE_SLOT_pulled_warps;
+constexpr u32 kSlotL1TilesDone = MEGAMOE_SLOT_l1_tiles_done;
 constexpr u32 kSlotNumTokens = MEGAMOE_SLOT_num_tokens;
 constexpr u32 kSlotErrorFlag = MEGAMOE_SLOT_error_flag;
 constexpr u32 kSlotCallCount = MEGAMOE_SLOT_call_count;

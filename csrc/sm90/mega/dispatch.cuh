@@ -3,6 +3,7 @@
 // then pull each announced token once from its source's buffer into the local staging rows of
 // all its pairs, grouped by local expert.
 #pragma once
+#include "block_ready.cuh"
 #include "conv.cuh"
 #include "mma_tile.cuh"
 #include "params.cuh"
@@ -10,8 +11,6 @@
 
 namespace megamoe::mega {
 
-MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
-MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
 
 // x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 256 values):
 // a lane loads 16 bytes, each half-warp is one 128-value scale group (hidden is a multiple of
@@ -219,8 +218,42 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
 
 // Pulls every token a source rank listed for this rank from that rank's buffer, once (over
 // NVLink, or from this rank's own x), and stores it into the staging row of each of its pairs
-// here, with the row's scales, top-k weight and (src rank, token, slot, e). One warp per listed
-// token; a token with three experts here crosses NVLink once instead of three times.
+// here, with the row's scales, top-k weight and (src rank, token, slot, e), then releases each row
+// to its token block's L1 tasks (block_ready.cuh: no grid barrier between the pull and L1). One
+// warp per listed token; a token with three experts here crosses NVLink once instead of three times.
+// Pull item `item` (a token some rank listed for this rank, counted over the ranks' lists): its
+// source rank, its place in that rank's list here (`at`), and for lane k < kTopk the staging row
+// of slot k's pair here (-1: none, or beyond the published count) and the pair's local expert.
+struct PullSlot {
+  u32 src;
+  u64 at;
+  int row;
+  u32 e;
+};
+
+MEGAMOE_DEVICE PullSlot pull_slot(const ExpertTable& table, const Regions& me, const u32 (&listed)[kNumRanks], u32 item,
+                                  u32 lane) {
+  PullSlot s{0, 0, -1, 0};
+  u32 j = item;
+#pragma unroll
+  for (u32 r = 0; r + 1 < kNumRanks; ++r)  // unrolled: `listed` stays in registers
+    if (s.src == r && j >= listed[r]) j -= listed[r], s.src = r + 1;
+  s.at = static_cast<u64>(s.src) * kMaxTokens + j;
+  if (lane < kTopk) {
+    const int entry = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_pairs() + s.at * kBufTopk + lane)));
+    if (entry >= 0) {
+      const u32 e = static_cast<u32>(entry) / kMaxTokens, position = static_cast<u32>(entry) % kMaxTokens;
+      u32 row = table.row_start[e] + position;
+      for (u32 r = 0; r < s.src; ++r) row += table.src_count[e][r];
+      s.row = position < table.src_count[e][s.src] ? static_cast<int>(row) : -1;
+      s.e = e;
+    }
+  }
+  return s;
+}
+
+constexpr u32 kHeldItems = 8;  // pull items per warp whose token blocks pull_rows keeps for the count
+
 MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
   u32 listed[kNumRanks], total = 0;
@@ -230,26 +263,21 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
     total += listed[r];
   }
   static_assert(kTopk <= 32, "one top-k slot per lane");
-  for (u32 item = global_warp(); item < total; item += total_warps()) {
-    u32 src = 0, j = item;
+  // Lane k: the token block of slot k's row for the warp's last kHeldItems items (~0u: none),
+  // oldest first; shifted by constant indices, so it stays in registers.
+  u32 held[kHeldItems];
 #pragma unroll
-    for (u32 r = 0; r + 1 < kNumRanks; ++r)  // unrolled: `listed` stays in registers
-      if (src == r && j >= listed[r]) j -= listed[r], src = r + 1;
-    const u64 at = static_cast<u64>(src) * kMaxTokens + j;
-    const u32 token = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_tokens() + at));
-    // Lane k < kTopk: the staging row of slot k's pair here, or -1.
-    int my_row = -1;
-    u32 my_e = 0;
-    if (lane < kTopk) {
-      const int entry = static_cast<int>(ld_cg_u32(reinterpret_cast<const u8*>(me.recv_token_pairs() + at * kBufTopk + lane)));
-      if (entry >= 0) {
-        const u32 e = static_cast<u32>(entry) / kMaxTokens, position = static_cast<u32>(entry) % kMaxTokens;
-        u32 row = table.row_start[e] + position;
-        for (u32 r = 0; r < src; ++r) row += table.src_count[e][r];
-        my_row = position < table.src_count[e][src] ? static_cast<int>(row) : -1;  // -1: beyond the published count
-        my_e = e;
-      }
-    }
+  for (u32 i = 0; i < kHeldItems; ++i) held[i] = ~0u;
+  u32 items = 0;
+  for (u32 item = global_warp(); item < total; item += total_warps(), ++items) {
+    const PullSlot slot = pull_slot(table, me, listed, item, lane);
+#pragma unroll
+    for (u32 i = 0; i + 1 < kHeldItems; ++i) held[i] = held[i + 1];
+    held[kHeldItems - 1] = slot.row >= 0 ? block_of_row(table, slot.e, static_cast<u32>(slot.row)) : ~0u;
+    const u32 src = slot.src;
+    const u32 token = ld_cg_u32(reinterpret_cast<const u8*>(me.recv_tokens() + slot.at));
+    const int my_row = slot.row;  // lane k < kTopk: the staging row of slot k's pair here, or -1
+    const u32 my_e = slot.e;
     int rows[kTopk];
 #pragma unroll
     for (u32 k = 0; k < kTopk; ++k) rows[k] = __shfl_sync(0xffffffffu, my_row, k);
@@ -303,6 +331,22 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
           make_int4(static_cast<int>(src), static_cast<int>(token), static_cast<int>(lane), static_cast<int>(my_e));
     }
   }
+  // The warp's rows to their token blocks' L1 tasks: one fence after all the warp's stores, then a
+  // relaxed add per row (the fence and the add make a release). A release per item drained the
+  // warp's stores before it could issue its next token's loads; finding every row again from its
+  // pairs (two dependent L2 loads per item) delayed the end of the pull by ~13 us at 8 items per
+  // warp, so the last kHeldItems items' blocks come from registers and only older ones are reloaded.
+  __syncwarp();
+  __threadfence();
+  for (u32 i = 0; i + kHeldItems < items; ++i) {
+    const PullSlot slot = pull_slot(table, me, listed, global_warp() + i * total_warps(), lane);
+    if (slot.row >= 0) count_pulled_row(me, block_of_row(table, slot.e, static_cast<u32>(slot.row)));
+  }
+#pragma unroll
+  for (u32 i = 0; i < kHeldItems; ++i)
+    if (held[i] != ~0u) count_pulled_row(me, held[i]);
+  __syncwarp();
+  if (lane == 0) count_pulled_warp(me);  // the rows' stores were fenced above: with it, a release
 }
 
 }  // namespace megamoe::mega

@@ -202,9 +202,8 @@ MEGAMOE_DEVICE void swiglu_in_place(WarpAcc& acc, float clamp, float (&tok_amax)
 template <u32 kN>
 MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop,
                                     MainloopState<kHidden>& st, const Params& p, const Regions& me, const TmaMaps& maps,
-                                    const TaskCoord& at, const TaskOperands& op, u32 next_task, u32 num_tasks,
-                                    TaskClock& clock) {
-  constexpr u32 kTiles = 2 * kInter / kTileRows;
+                                    const TaskCoord& at, const TaskOperands& op, const TaskCoord& next_at,
+                                    bool stream_next, TaskClock& clock) {
   constexpr u32 kNTiles = kN / 8;  // n8 token tiles computed
   constexpr bool kRegTok = kRegisterTokens && kN == kTileTokens;  // acc in the register-token map
   // 128-token register-token builds: all 128 channels of a token sit in one quad of lanes, so each
@@ -219,8 +218,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
                               ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x)
                               : 0.0f;
   WarpAcc acc;
-  if (MEGAMOE_SMEM_MAINLOOP && next_task < num_tasks) {  // only the smem mainloop streams on
-    const TaskCoord next_at = task_coord<kTiles>(table, next_task);
+  if (MEGAMOE_SMEM_MAINLOOP && stream_next) {  // only the smem mainloops stream on
     const TaskOperands next = l1_operands(table, p, me, maps, next_at);
     task_gemm<kHidden, kN>(acc, mainloop, st, op, &next, p);
   } else {
@@ -393,19 +391,26 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 }
 
 // task / next_task: task indices of this phase (task_order.cuh); next_task >= num_tasks: none.
+// pulled: the CTA's block-check state for this phase (wait_pulled_block): a task starts once its
+// token block's rows are pulled (the time it waits counts in its l1_gemm span), and the next
+// task's first stages are streamed in during this one only when its block is pulled already.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, TaskClock& clock) {
+                            u32 num_tasks, BlockReadyState& pulled, TaskClock& clock) {
+  constexpr u32 kTiles = 2 * kInter / kTileRows;
   span_start(p, clock);
-  const TaskCoord at = task_coord<2 * kInter / kTileRows>(table, task);
+  const TaskCoord at = task_coord<kTiles>(table, task);
+  const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const TaskOperands op = l1_operands(table, p, me, maps, at);
+  const bool next_pulled = wait_pulled_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, pulled);
+  const bool stream_next = next_task < num_tasks && next_pulled;
   if constexpr (kNarrowTasks) {
     if (op.rows.num_rows <= kNarrowTokens || (kAblate & kAblateNarrow)) {
-      l1_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
+      l1_task_columns<kNarrowTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, stream_next, clock);
       return;
     }
   }
-  l1_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_task, num_tasks, clock);
+  l1_task_columns<kTileTokens>(table, smem, mainloop, st, p, me, maps, at, op, next_at, stream_next, clock);
 }
 
 // FP8 128-token builds' L2 epilogue, straight from the registers: no shared-memory tile, no
@@ -601,7 +606,7 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   const TaskCoord at = task_coord<kTiles>(table, task);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const TaskOperands op = l2_operands(table, p, me, maps, at);
-  const bool next_ready = wait_l1_block(p, me, at.block, next_at.block, ready);
+  const bool next_ready = wait_l1_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, ready);
   span_end(p, clock, kSpanL2Wait);
   const bool stream_next = next_task < num_tasks && next_ready;
   if constexpr (kNarrowTasks) {

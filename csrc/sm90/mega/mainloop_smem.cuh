@@ -11,8 +11,8 @@
 //     rows straight from shared memory, so no fragment goes through registers.
 //   MEGAMOE_SMEM_MAINLOOP=3 (tma): the same stages and wgmmas, filled by one thread with TMA box
 //     copies (tensor maps from the host, 128-byte swizzle) that complete on a per-stage mbarrier;
-//     token rows past the task's end are whatever follows in staging (their columns are never
-//     stored), rows past the staging region are zero-filled. FP8 promotes with a lag of one
+//     token rows past the task's end are whatever follows in staging, possibly still being
+//     pulled (their columns are never stored), rows past the staging region are zero-filled. FP8 promotes with a lag of one
 //     wgmma group (k_loop_lagged_promotion).
 #pragma once
 #include "../tma.cuh"
@@ -85,7 +85,7 @@ __shared__ u32 ablate_copies_issued;  // ablate=tma_warm: copies thread 0 made s
 #endif
 
 // TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
-// thread at kernel start; a grid sync (which begins with __syncthreads) follows before first use.
+// thread at kernel start; the dispatch barrier's __syncthreads follows before first use.
 MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
 #if MEGAMOE_SMEM_MAINLOOP >= 3
   if (threadIdx.x == 0) {

@@ -5,6 +5,10 @@
 
 namespace megamoe::mega {
 
+// The launch's warps, counted across CTAs (the staging and pull phases share items out by them).
+MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
+MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
+
 struct Params {
   const u16* x;               // [T, H] bf16: this rank's tokens
   const void* topk_idx;       // [T, K] global expert ids, -1 masked: int32, or int64 when topk_idx_int64
@@ -51,7 +55,8 @@ struct Regions {
   MEGAMOE_DEVICE float* staging_l1_scale() const { return reinterpret_cast<float*>(base + kOffStagingL1Scale); }
   MEGAMOE_DEVICE u8* staging_l2() const { return base + kOffStagingL2; }
   MEGAMOE_DEVICE float* staging_l2_scale() const { return reinterpret_cast<float*>(base + kOffStagingL2Scale); }
-  // [blocks]: L1 tiles finished per token block this call (zeroed again at the end of the call).
+  // [blocks]: per token block this call, rows pulled + L1 tiles finished (block_ready.cuh; zeroed
+  // again at the end of the call).
   MEGAMOE_DEVICE u32* l1_block_done() const { return reinterpret_cast<u32*>(base + kOffL1BlockDone); }
   MEGAMOE_DEVICE u16* combine() const { return reinterpret_cast<u16*>(base + kOffCombine); }
 };

@@ -14,12 +14,12 @@ namespace megamoe::mega {
 
 enum PhaseMark : int {
   kMarkStart = 0,        // the CTA began
-  kMarkStaged,           // tokens staged, pairs announced (before the grid sync)
+  kMarkStaged,           // tokens staged, pairs announced (before the dispatch barrier)
   kMarkDispatched,       // past the dispatch NVLink barrier
-  kMarkPulled,           // this CTA's rows pulled (before the grid sync)
-  kMarkL1Start,          // past the grid sync: L1 begins
-  kMarkL1Done,           // this CTA's L1 tasks done (before the grid sync)
-  kMarkL2Start,          // past the grid sync: L2 begins
+  kMarkPulled,           // this CTA's rows pulled
+  kMarkL1Start,          // L1 begins (no barrier: each L1 task waits for its token block's rows)
+  kMarkL1Done,           // this CTA's L1 tasks done
+  kMarkL2Start,          // L2 begins (no barrier: each L2 task waits for its token block's L1 tiles)
   kMarkL2Done,           // this CTA's L2 tasks and combine writes done (before the NVLink barrier)
   kMarkCombined,         // past the combine NVLink barrier
   kMarkEnd,              // reduce done

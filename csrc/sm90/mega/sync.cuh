@@ -1,4 +1,5 @@
-// Grid-wide and cross-rank (NVLink) barriers. Every wait has a deadline on the global timer and,
+// Cross-rank (NVLink) barriers and the kernel's shared waits (the per-token-block waits are in
+// block_ready.cuh). Every wait has a deadline on the global timer and,
 // when it passes, prints which rank and phase stalled with the counter values, then traps:
 // a lost peer or a starved grid becomes an error, never a hung GPU.
 #pragma once
@@ -42,6 +43,12 @@ MEGAMOE_DEVICE u32 atom_add_release_gpu(u32* p, u32 v) {
   return old;
 }
 
+MEGAMOE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+MEGAMOE_DEVICE void red_add_release_gpu(u32* p, u32 v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 MEGAMOE_DEVICE void red_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -55,7 +62,7 @@ MEGAMOE_DEVICE const char* phase_name(int phase) {
   switch (phase) {
     case kPhaseAnnounce: return "announce (grid sync)";
     case kPhaseDispatchBarrier: return "dispatch (NVLink barrier)";
-    case kPhasePull: return "pull (grid sync)";
+    case kPhasePull: return "pull -> L1 (token block pulled)";
     case kPhaseL1: return "L1 -> L2 (token block ready)";
     case kPhaseL2: return "L2 / combine (NVLink barrier)";
     default: return "combine reduce";
@@ -89,32 +96,8 @@ struct Deadline {
   MEGAMOE_DEVICE bool expired() const { return global_timer_ns() - start_ns > timeout_ns; }
 };
 
-// All CTAs of this launch meet. SM 0 adds (0x80000000 - (n - 1)), the others add 1, so each
-// barrier flips the top bit exactly once: waiters watch for the flip and the counter never needs
-// resetting between barriers or calls.
-// It orders this GPU's memory only: the add is a release at GPU scope, and after the
-// __syncthreads it covers every thread's earlier writes (release is cumulative). Writes to peers
-// before a barrier need nvlink_barrier's system-scope fence.
-MEGAMOE_DEVICE void grid_sync(u32* counter, u32 num_ctas, int rank, int phase, u64 timeout_ns, int* record) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const u32 add = blockIdx.x == 0 ? 0x80000000u - (num_ctas - 1) : 1u;
-    const u32 old = atom_add_release_gpu(counter, add);
-    const Deadline deadline{global_timer_ns(), timeout_ns};
-    while (((ld_acquire_gpu(counter) ^ old) & 0x80000000u) == 0) {
-      if (deadline.expired()) {
-#if MEGAMOE_TRAP_PRINTF
-        printf("megamoe: rank %d CTA %d timed out in %s waiting for the other CTAs of its grid "
-               "(counter 0x%08x, arrived at 0x%08x); were all %u CTAs resident? Lower "
-               "VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.\n",
-               rank, blockIdx.x, phase_name(phase), ld_acquire_gpu(counter), old, num_ctas);
-#endif
-        report_and_trap(record, kErrorGridTimeout, rank, phase, static_cast<int>(ld_acquire_gpu(counter)),
-                        static_cast<int>(old), static_cast<int>(num_ctas));
-      }
-    }
-  }
-  __syncthreads();
+MEGAMOE_DEVICE void red_add_relaxed_gpu(u32* p, u32 v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 MEGAMOE_DEVICE void red_inc_relaxed_gpu(u32* p, u32 limit) {  // old >= limit: back to 0
