@@ -334,8 +334,9 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
   // The warp's rows to their token blocks' L1 tasks: one fence after all the warp's stores, then a
   // relaxed add per row (the fence and the add make a release). A release per item drained the
   // warp's stores before it could issue its next token's loads; finding every row again from its
-  // pairs (two dependent L2 loads per item) delayed the end of the pull by ~13 us at 8 items per
-  // warp, so the last kHeldItems items' blocks come from registers and only older ones are reloaded.
+  // pairs (two dependent L2 loads per item) ended the pull 3-7 us later at 8 items per warp
+  // (Qwen3-like, 8192 tokens), so the last kHeldItems items' blocks come from registers and only
+  // older ones are reloaded.
   __syncwarp();
   __threadfence();
   for (u32 i = 0; i + kHeldItems < items; ++i) {
