@@ -32,6 +32,7 @@
 #                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
+#   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -156,6 +157,8 @@ case "${STEP:-verify}" in
       --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
       --rounds ${ROUNDS:-2} --out "$OUT/probe_1gpu_ab.json" 2>&1 | tail -24
     L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
+  sanitize) # ~4 min, one H200: memcheck and racecheck on tests/gpu/sanitize_probe.py (each within SAN_TIMEOUT s)
+    sanitize ${SAN_TIMEOUT:-130} ;;
   tree128)  # ~8 min, one H200: a source tree in TREE (default .probe_e128: `mkdir -p .probe_e128 && git
             # archive next/epilogue-128 csrc | tar -x -C .probe_e128` before the call) against this tree at
             # 128-token tiles: TREE's kernel through the forced-tile, clamp, epilogue-warpgroup and one-GPU
