@@ -1,10 +1,10 @@
 // Dependencies per token block instead of grid-wide barriers between the phases. Block b's
 // counter (l1_block_done) counts what has been done for it in this call, in the order it happens:
 // first its rows pulled into staging (one per row, by the warps that pulled them, once each warp's
-// pulls are done), then its kL1Tiles L1 tasks (one each, after their staging_l2 stores). An L1 task of block b waits until the
-// counter reaches the block's rows, an L2 task until it reaches rows + kL1Tiles. CTAs that finish
-// their share of the pull start L1 work at once, and those that run out of L1 tasks start L2 work,
-// instead of idling at a barrier until the slowest CTA is done. No deadlock: every CTA pulls its
+// pulls are done), then its kL1Tiles L1 tasks (one each, after their staging_l2 stores). An L1
+// task of block b waits until the counter reaches the block's rows, an L2 task until it reaches
+// rows + kL1Tiles. CTAs that finish their share of the pull start L1 work at once, and those that
+// run out of L1 tasks start L2 work, instead of idling at a barrier until the slowest CTA is done. No deadlock: every CTA pulls its
 // share before its first L1 task and runs all its L1 tasks before its first L2 task, and all CTAs
 // are co-resident. The counters are zeroed at the end of the call.
 // Two phase-wide counts sit beside them (workspace slots pulled_warps and l1_tiles_done): once a

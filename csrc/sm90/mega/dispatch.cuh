@@ -11,7 +11,6 @@
 
 namespace megamoe::mega {
 
-
 // x (bf16) -> buffer x (fp8 + scale per 128, or a bf16 copy). One warp per (token, 256 values):
 // a lane loads 16 bytes, each half-warp is one 128-value scale group (hidden is a multiple of
 // 256), and a warp has kStageBatch items' loads in flight before it converts any. With 8-byte
