@@ -4,9 +4,10 @@
 // pulls are done), then its kL1Tiles L1 tasks (one each, after their staging_l2 stores). An L1
 // task of block b waits until the counter reaches the block's rows, an L2 task until it reaches
 // rows + kL1Tiles. CTAs that finish their share of the pull start L1 work at once, and those that
-// run out of L1 tasks start L2 work, instead of idling at a barrier until the slowest CTA is done. No deadlock: every CTA pulls its
-// share before its first L1 task and runs all its L1 tasks before its first L2 task, and all CTAs
-// are co-resident. The counters are zeroed at the end of the call.
+// run out of L1 tasks start L2 work, instead of idling at a barrier until the slowest CTA is done.
+// No deadlock: every CTA pulls its share before its first L1 task and runs all its L1 tasks
+// before its first L2 task, and all CTAs are co-resident. The counters are zeroed at the end of
+// the call.
 // Two phase-wide counts sit beside them (workspace slots pulled_warps and l1_tiles_done): once a
 // CTA sees one complete, its later tasks of that phase skip their blocks' loads (an acquire per
 // task sits on the critical path, before the barrier every MMA thread waits at).
