@@ -33,6 +33,7 @@
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
+#   STEP=inproc  one_gpu's one-process A/B alone (this tree and the BASES trees), one GPU
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
 #   STEP=rs      the register-A wgmma's GPU check (tests/gpu/test_wgmma_rs.py), then the probe's
@@ -157,6 +158,12 @@ case "${STEP:-verify}" in
       --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
       --rounds ${ROUNDS:-2} --out "$OUT/probe_1gpu_ab.json" 2>&1 | tail -24
     L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
+  inproc)   # ~4-6 min, one H200: only the one-process A/B of one_gpu (this tree and every BASES tree, in
+            # turn for ROUNDS rounds), within PROBE_TIMEOUT s
+    AB="${VARIANTS:-default}"; for b in ${BASES:-}; do AB="$AB csrc=$b/csrc"; done
+    timeout ${PROBE_TIMEOUT:-540} python3 -m benchmarks.kernel_probe --gpus 1 \
+      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
+      --rounds ${ROUNDS:-2} --out "$OUT/probe_inproc_ab.json" 2>&1 | tail -40 ;;
   sanitize) # ~4 min, one H200: memcheck and racecheck on tests/gpu/sanitize_probe.py (each within SAN_TIMEOUT s)
     sanitize ${SAN_TIMEOUT:-130} ;;
   tree128)  # ~8 min, one H200: a source tree in TREE (default .probe_e128: `mkdir -p .probe_e128 && git
