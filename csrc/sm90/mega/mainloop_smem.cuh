@@ -12,8 +12,8 @@
 //   MEGAMOE_SMEM_MAINLOOP=3 (tma): the same stages and wgmmas, filled by one thread with TMA box
 //     copies (tensor maps from the host, 128-byte swizzle) that complete on a per-stage mbarrier;
 //     token rows past the task's end are whatever follows in staging, possibly still being
-//     pulled (their columns are never stored), rows past the staging region are zero-filled. FP8 promotes with a lag of one
-//     wgmma group (k_loop_lagged_promotion).
+//     pulled (their columns are never stored), rows past the staging region are zero-filled. FP8
+//     promotes with a lag of one wgmma group (k_loop_lagged_promotion).
 #pragma once
 #include "../tma.cuh"
 #include "../wgmma.cuh"

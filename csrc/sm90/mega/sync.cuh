@@ -37,12 +37,6 @@ MEGAMOE_DEVICE int ld_acquire_sys(const int* p) {
   return v;
 }
 
-MEGAMOE_DEVICE u32 atom_add_release_gpu(u32* p, u32 v) {
-  u32 old;
-  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
 MEGAMOE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 MEGAMOE_DEVICE void red_add_release_gpu(u32* p, u32 v) {
