@@ -58,6 +58,15 @@ sanitize() {
     tail -6 "$OUT/$tool.log"
   done
 }
+# kernel_probe at EP1 of this tree and every BASES tree in one process, in turn for ROUNDS rounds
+# (a GPU drifts within a call: a build run twice can differ by more than a change does at 1-8
+# tokens), within $1 s, into $OUT/$2, the last $3 lines shown
+inproc_ab() {
+  local ab="${VARIANTS:-default}" b
+  for b in ${BASES:-}; do ab="$ab csrc=$b/csrc"; done
+  timeout "$1" python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
+    --tokens ${TOKENS:-1 8 8192} --variants $ab --rounds ${ROUNDS:-2} --out "$OUT/$2" 2>&1 | tail -"$3"
+}
 case "${STEP:-verify}" in
   verify)   # ~9 min: every kernel test of the default build, then memcheck and racecheck
     timeout 370 python3 -m pytest $T -o timeout=200 tests/gpu/test_sm90_mega_moe.py 2>&1 > "$OUT/kernel_tests.log"
@@ -150,20 +159,12 @@ case "${STEP:-verify}" in
       tests/gpu/test_sm90_mega_moe.py -k "${SHARED_TESTS:-(multi_gpu and small and fp8) or back_to_back_calls_multi or missing_peer or (cuda_graph_multi and fp8)}" \
       > "$OUT/kernel_tests_shared.log" 2>&1
     tail -2 "$OUT/kernel_tests_shared.log"
-    # this tree and every BASES tree in one process, in turn for ROUNDS rounds (a GPU drifts
-    # within a call: a build run twice can differ by more than a change does at 1-8 tokens)
-    AB="${VARIANTS:-default}"; for b in ${BASES:-}; do AB="$AB csrc=$b/csrc"; done
     D=2; [ -n "${NO_SANITIZE:-}" ] && D=1  # NO_SANITIZE=1: the probe takes what is left
-    [ "$(left)" -gt 100 ] && timeout $(( $(left) / D - 10 )) python3 -m benchmarks.kernel_probe --gpus 1 \
-      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
-      --rounds ${ROUNDS:-2} --out "$OUT/probe_1gpu_ab.json" 2>&1 | tail -24
+    [ "$(left)" -gt 100 ] && inproc_ab $(( $(left) / D - 10 )) probe_1gpu_ab.json 24
     L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
   inproc)   # ~4-6 min, one H200: only the one-process A/B of one_gpu (this tree and every BASES tree, in
             # turn for ROUNDS rounds), within PROBE_TIMEOUT s
-    AB="${VARIANTS:-default}"; for b in ${BASES:-}; do AB="$AB csrc=$b/csrc"; done
-    timeout ${PROBE_TIMEOUT:-540} python3 -m benchmarks.kernel_probe --gpus 1 \
-      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1 8 8192} --variants $AB \
-      --rounds ${ROUNDS:-2} --out "$OUT/probe_inproc_ab.json" 2>&1 | tail -40 ;;
+    inproc_ab ${PROBE_TIMEOUT:-540} probe_inproc_ab.json 40 ;;
   sanitize) # ~4 min, one H200: memcheck and racecheck on tests/gpu/sanitize_probe.py (each within SAN_TIMEOUT s)
     sanitize ${SAN_TIMEOUT:-130} ;;
   tree128)  # ~8 min, one H200: a source tree in TREE (default .probe_e128: `mkdir -p .probe_e128 && git
