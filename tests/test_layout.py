@@ -66,9 +66,29 @@ def test_nvlink_arrival_slots_are_one_block_per_barrier():
     for b in range(2):
         for r in range(NVL_ARRIVED_RANKS):
             assert WORKSPACE_SLOTS.index(f"nvl_arrived_{b}_{r}") == first + b * NVL_ARRIVED_RANKS + r
-    assert len(WORKSPACE_SLOTS) == len(set(WORKSPACE_SLOTS)) <= WORKSPACE_INTS
+    named = [s for s in WORKSPACE_SLOTS if s is not None]
+    assert len(named) == len(set(named)) and len(WORKSPACE_SLOTS) <= WORKSPACE_INTS
     from vllm_megamoe.kernels import sm90_mega_moe
     assert sm90_mega_moe.MAX_RANKS == NVL_ARRIVED_RANKS
+
+
+def test_phase_counts_have_a_cache_line_each():
+    """Every CTA adds to pulled_warps and l1_tiles_done while others load the task counters: each
+    count sits alone on its 128-byte line, the padding is unnamed (no define, no slot lookup), and
+    the workspace region is 128-byte aligned so that slot lines are cache lines."""
+    lay = BufferLayout(MoEShape(256, 128, 8, 2), 2, 30)
+    assert lay.region("workspace").offset % ALIGN_BYTES == 0
+    assert lay.region("workspace").shape == (WORKSPACE_INTS,)
+    line = lambda i: i * 4 // ALIGN_BYTES
+    for name in ("pulled_warps", "l1_tiles_done"):
+        i = lay.workspace_slot(name)
+        mates = [s for j, s in enumerate(WORKSPACE_SLOTS) if s is not None and j != i and line(j) == line(i)]
+        assert mates == [], f"{name} shares its line with {mates}"
+    defines = lay.c_defines()
+    assert defines["MEGAMOE_SLOT_pulled_warps"] == lay.workspace_slot("pulled_warps")
+    assert not any("None" in k for k in defines) and "kSlot_None" not in lay.c_header()
+    with pytest.raises(ValueError, match="unknown workspace slot"):
+        lay.workspace_slot(None)
 
 
 def test_memory_grows_as_documented():

@@ -5,7 +5,7 @@ address each other's regions at the same offsets. Python views regions with `vie
 kernels receive the same offsets through `c_header()` (generated, never hand-written).
 
 Regions, in order (each 128-byte aligned):
-  workspace           int32 [64]        counters and flags, see WORKSPACE_SLOTS
+  workspace           int32 [96]        counters and flags, see WORKSPACE_SLOTS
   expert_send_count   int32 [E]         tokens this rank sends to each global expert (per call)
   expert_recv_count   int32 [R, El]     unused (older SM90 kernel trees: what rank r sent to my local experts)
   token_send_count    int32 [R]         SM90 kernel: tokens this rank sends to each rank (per call);
@@ -51,8 +51,17 @@ SCALE_GROUP = 128
 KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks (l1_block_done)
 
 NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's rank limit
-# Slots of the int32 workspace region; the names are shared with csrc/ through c_header().
-WORKSPACE_SLOTS = (
+LINE_INTS = ALIGN_BYTES // 4  # int32 slots per 128-byte line
+
+
+def _to_line_end(slots: tuple) -> tuple:
+    """`slots` padded with unused slots (None) to a whole number of 128-byte lines."""
+    return slots + (None,) * (-len(slots) % LINE_INTS)
+
+
+# Slots of the int32 workspace region; the names are shared with csrc/ through c_header(). None
+# marks an unused slot (padding).
+WORKSPACE_SLOTS = _to_line_end(_to_line_end(_to_line_end((
     "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",  # older kernel trees' grid barriers (A/B runs)
     "nvl_barrier_signal_0", "nvl_barrier_signal_1",  # SM90 kernel: arrivals of all ranks, growing
     "l1_task_counter", "l2_task_counter",
@@ -64,11 +73,13 @@ WORKSPACE_SLOTS = (
     # by the same amount every call (csrc/sm90/mega/sync.cuh); nvl_barrier_signal_* are what older
     # kernel trees used, kept so that they still build under this layout for A/B runs
     *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(NVL_ARRIVED_RANKS)),
+))
     # SM90 kernel, this call (back to 0 after): warps done pulling, and L1 tiles published; once a
-    # count is complete, a CTA's GEMM tasks stop checking their token blocks (block_ready.cuh)
-    "pulled_warps", "l1_tiles_done",
-)
-WORKSPACE_INTS = 64
+    # count is complete, a CTA's GEMM tasks stop checking their token blocks (block_ready.cuh).
+    # Each on a line of its own: every CTA adds to them while others take tasks from the counters
+    # above (the pulled_warps adds on the task counters' line slowed the first L1 task at 1 token).
+    + ("pulled_warps",)) + ("l1_tiles_done",))
+WORKSPACE_INTS = 96
 assert len(WORKSPACE_SLOTS) <= WORKSPACE_INTS
 
 _DTYPE_NAMES = {
@@ -197,7 +208,7 @@ class BufferLayout:
         return raw.view(reg.dtype).view(reg.shape)
 
     def workspace_slot(self, name: str) -> int:
-        require(name in WORKSPACE_SLOTS, f"unknown workspace slot {name!r}")
+        require(name is not None and name in WORKSPACE_SLOTS, f"unknown workspace slot {name!r}")
         return WORKSPACE_SLOTS.index(name)
 
     def describe(self) -> str:
@@ -221,7 +232,8 @@ class BufferLayout:
         for reg in self.regions.values():
             out[f"MEGAMOE_OFF_{reg.name}"] = f"{reg.offset}ull"
         for i, slot in enumerate(WORKSPACE_SLOTS):
-            out[f"MEGAMOE_SLOT_{slot}"] = i
+            if slot is not None:
+                out[f"MEGAMOE_SLOT_{slot}"] = i
         return out
 
     def c_header(self) -> str:
@@ -240,7 +252,8 @@ class BufferLayout:
                f"constexpr uint32_t kStagingRows = {self.staging_rows};",
                f"constexpr uint64_t kTotalBytes = {self.total_bytes}ull;"]
         for i, slot in enumerate(WORKSPACE_SLOTS):
-            out.append(f"constexpr uint32_t kSlot_{slot} = {i};")
+            if slot is not None:
+                out.append(f"constexpr uint32_t kSlot_{slot} = {i};")
         for reg in self.regions.values():
             out.append(f"constexpr uint64_t kOffset_{reg.name} = {reg.offset}ull;  "
                        f"// {_DTYPE_NAMES[reg.dtype]} {list(reg.shape)}")

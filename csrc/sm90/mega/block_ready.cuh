@@ -40,9 +40,16 @@ MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) {
   red_add_relaxed_gpu(reinterpret_cast<u32*>(me.workspace()) + kSlotL1TilesDone, 1);
 }
 
-// One lane per warp, after its warp's pulled rows were counted (pull_rows): the warp is done.
-MEGAMOE_DEVICE void count_pulled_warp(const Regions& me) {
-  red_add_release_gpu(reinterpret_cast<u32*>(me.workspace()) + kSlotPulledWarps, 1);
+// One lane per warp, after a fence over its warp's pulled rows (pull_rows): the warp is done. The
+// CTA's last warp to get here adds all kNumWarps to the phase count, one add per CTA: an add per
+// warp (1056-1584 per call) slowed the task counters' loads beside it. Each warp's fence, then its
+// shared-memory add, read by the last warp's add, then that warp's fence and add: a release chain
+// from every warp's rows to whoever acquires the complete count.
+MEGAMOE_DEVICE void count_pulled_warp(ExpertTable& table, const Regions& me) {
+  if (atomicAdd(&table.pulled_warps, 1) == kNumWarps - 1) {
+    fence_acq_rel_gpu();
+    red_add_relaxed_gpu(reinterpret_cast<u32*>(me.workspace()) + kSlotPulledWarps, kNumWarps);
+  }
 }
 
 // Thread 0: whether `block`'s counter reached `need` (acquire; counts only grow within a call).

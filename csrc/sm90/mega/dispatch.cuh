@@ -159,6 +159,7 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
   }
   // In the same round trip as the counts (pull_rows needs them; a load there of its own cost a
   // dependent round trip before the first row load).
+  if (threadIdx.x == 0) table.pulled_warps = 0;  // read after pull_rows (its warps meet at the barriers below)
   if (threadIdx.x >= kNumThreads - kNumRanks) {
     const u32 r = threadIdx.x - (kNumThreads - kNumRanks);
     const Regions src{p.peers[r]};
@@ -253,7 +254,7 @@ MEGAMOE_DEVICE PullSlot pull_slot(const ExpertTable& table, const Regions& me, c
 
 constexpr u32 kHeldItems = 8;  // pull items per warp whose token blocks pull_rows keeps for the count
 
-MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const Regions& me) {
+MEGAMOE_DEVICE void pull_rows(ExpertTable& table, const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
   u32 listed[kNumRanks], total = 0;
 #pragma unroll
@@ -346,7 +347,7 @@ MEGAMOE_DEVICE void pull_rows(const ExpertTable& table, const Params& p, const R
   for (u32 i = 0; i < kHeldItems; ++i)
     if (held[i] != ~0u) count_pulled_row(me, held[i]);
   __syncwarp();
-  if (lane == 0) count_pulled_warp(me);  // the rows' stores were fenced above: with it, a release
+  if (lane == 0) count_pulled_warp(table, me);  // the rows' stores were fenced above
 }
 
 }  // namespace megamoe::mega

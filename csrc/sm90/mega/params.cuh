@@ -67,6 +67,7 @@ struct ExpertTable {
   u32 row_start[kNumLocalExperts + 1];         // first staging row of expert e (prefix sum)
   u32 block_start[kNumLocalExperts + 1];       // first token block (kTileTokens rows) of expert e
   u32 listed[kNumRanks];                       // tokens rank r listed for this rank (recv_tokens)
+  u32 pulled_warps;                            // this CTA's warps done with the pull (count_pulled_warp)
 };
 
 // The largest e < kNumLocalExperts with table[e] <= value (table ascending, table[0] == 0), by a

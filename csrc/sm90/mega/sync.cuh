@@ -39,10 +39,6 @@ MEGAMOE_DEVICE int ld_acquire_sys(const int* p) {
 
 MEGAMOE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-MEGAMOE_DEVICE void red_add_release_gpu(u32* p, u32 v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 MEGAMOE_DEVICE void red_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
