@@ -70,10 +70,14 @@ MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
 // its experts, once per rank: recv_tokens[my rank][j] = token, and per top-k slot the
 // (local expert, position) of the pair there in recv_token_pairs (-1 for slots routed elsewhere),
 // position from a per-expert counter as before. One thread per token, so that the positions of a
-// token's pairs are known together.
+// token's pairs are known together. Tokens are dealt from the last CTA down while stage_tokens
+// starts at CTA 0: at a few tokens the two chains of round trips (the staging's loads and stores,
+// the announce's loads, atomics and peer stores) then run on different SMs side by side instead of
+// one after the other in CTA 0's first warp.
 MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
   const u32 lane = threadIdx.x % 32;
-  for (u32 token = blockIdx.x * kNumThreads + threadIdx.x; token < static_cast<u32>(p.num_tokens);
+  const u32 cta = gridDim.x - 1 - blockIdx.x;
+  for (u32 token = cta * kNumThreads + threadIdx.x; token < static_cast<u32>(p.num_tokens);
        token += gridDim.x * kNumThreads) {
     // Loads first, then every counter atomic (one per slot, one per destination and warp), then
     // the stores: written slot by slot, each slot's load waited for the previous slot's atomic
