@@ -21,7 +21,7 @@ from ..errors import BarrierTimeoutError, MegaMoEError
 logger = logging.getLogger(__name__)
 
 # Same order as enum Phase in csrc/sm90/mega/sync.cuh (tests/test_kernel_compile.py checks it).
-PHASES = ("announce (grid sync)", "dispatch (NVLink barrier)", "pull -> L1 (token block pulled)",
+PHASES = ("announce", "dispatch (NVLink barrier)", "pull -> L1 (token block pulled)",
           "L1 -> L2 (token block ready)", "L2 / combine (NVLink barrier)", "combine reduce")
 KIND_GRID_TIMEOUT, KIND_NVLINK_TIMEOUT, KIND_STAGING_FULL, KIND_BLOCK_TIMEOUT, KIND_STAGE_TIMEOUT = 1, 2, 3, 4, 5
 KIND_HANDOFF_TIMEOUT = 6

@@ -50,7 +50,7 @@ enum Phase : int {
 
 MEGAMOE_DEVICE const char* phase_name(int phase) {
   switch (phase) {
-    case kPhaseAnnounce: return "announce (grid sync)";
+    case kPhaseAnnounce: return "announce";  // (no wait reports it since the grid barriers went; older trees did)
     case kPhaseDispatchBarrier: return "dispatch (NVLink barrier)";
     case kPhasePull: return "pull -> L1 (token block pulled)";
     case kPhaseL1: return "L1 -> L2 (token block ready)";
