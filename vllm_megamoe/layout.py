@@ -79,8 +79,7 @@ WORKSPACE_SLOTS = _to_line_end(_to_line_end(_to_line_end((
     # Each on a line of its own: every CTA adds to them while others take tasks from the counters
     # above (the pulled_warps adds on the task counters' line slowed the first L1 task at 1 token).
     + ("pulled_warps",)) + ("l1_tiles_done",))
-WORKSPACE_INTS = 96
-assert len(WORKSPACE_SLOTS) <= WORKSPACE_INTS
+WORKSPACE_INTS = len(WORKSPACE_SLOTS)  # 96: three lines
 
 _DTYPE_NAMES = {
     torch.int32: "int32", torch.float32: "float32", torch.bfloat16: "bfloat16",

@@ -45,7 +45,8 @@ def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int =
     none when tables_in_mainloop, see epilogue_tables_in_mainloop)
     and, unless it lives in a mainloop stage, its tile (epilogue_tile.cuh EpilogueSmem), and 1 KB
     of headroom (the task queue's, the hand-off header's and the phase clock's few words among it)."""
-    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks) * 4
+    # src_count, row_start and block_start, listed, pulled_warps
+    table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks + 1) * 4
     # (epilogue_tables_in_mainloop: the per-token tables live in the mainloop's token-scale table)
     epilogue = 0 if tables_in_mainloop else (8 + 2) * tile_tokens * 4
     if mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS or has_epilogue_warpgroup(mainloop, tile_tokens):
