@@ -54,14 +54,14 @@ NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's 
 LINE_INTS = ALIGN_BYTES // 4  # int32 slots per 128-byte line
 
 
-def _to_line_end(slots: tuple) -> tuple:
+def _line(*slots) -> tuple:
     """`slots` padded with unused slots (None) to a whole number of 128-byte lines."""
     return slots + (None,) * (-len(slots) % LINE_INTS)
 
 
 # Slots of the int32 workspace region; the names are shared with csrc/ through c_header(). None
 # marks an unused slot (padding).
-WORKSPACE_SLOTS = _to_line_end(_to_line_end(_to_line_end((
+WORKSPACE_SLOTS = _line(
     "grid_sync_0", "grid_sync_1", "grid_sync_2", "grid_sync_3",  # older kernel trees' grid barriers (A/B runs)
     "nvl_barrier_signal_0", "nvl_barrier_signal_1",  # SM90 kernel: arrivals of all ranks, growing
     "l1_task_counter", "l2_task_counter",
@@ -73,13 +73,18 @@ WORKSPACE_SLOTS = _to_line_end(_to_line_end(_to_line_end((
     # by the same amount every call (csrc/sm90/mega/sync.cuh); nvl_barrier_signal_* are what older
     # kernel trees used, kept so that they still build under this layout for A/B runs
     *(f"nvl_arrived_{b}_{r}" for b in range(2) for r in range(NVL_ARRIVED_RANKS)),
-))
+) + (
     # SM90 kernel, this call (back to 0 after): warps done pulling, and L1 tiles published; once a
     # count is complete, a CTA's GEMM tasks stop checking their token blocks (block_ready.cuh).
     # Each on a line of its own: every CTA adds to them while others take tasks from the counters
     # above (the pulled_warps adds on the task counters' line slowed the first L1 task at 1 token).
-    + ("pulled_warps",)) + ("l1_tiles_done",))
+    _line("pulled_warps") + _line("l1_tiles_done"))
 WORKSPACE_INTS = len(WORKSPACE_SLOTS)  # 96: three lines
+
+
+def _named_slots() -> list:
+    """(index, name) of every workspace slot but the padding."""
+    return [(i, slot) for i, slot in enumerate(WORKSPACE_SLOTS) if slot is not None]
 
 _DTYPE_NAMES = {
     torch.int32: "int32", torch.float32: "float32", torch.bfloat16: "bfloat16",
@@ -230,9 +235,8 @@ class BufferLayout:
                "MEGAMOE_BUF_TOPK": s.topk, "MEGAMOE_STAGING_ROWS": self.staging_rows}
         for reg in self.regions.values():
             out[f"MEGAMOE_OFF_{reg.name}"] = f"{reg.offset}ull"
-        for i, slot in enumerate(WORKSPACE_SLOTS):
-            if slot is not None:
-                out[f"MEGAMOE_SLOT_{slot}"] = i
+        for i, slot in _named_slots():
+            out[f"MEGAMOE_SLOT_{slot}"] = i
         return out
 
     def c_header(self) -> str:
@@ -250,9 +254,8 @@ class BufferLayout:
                f"constexpr uint32_t kCombineSlots = {self.combine_slots};",
                f"constexpr uint32_t kStagingRows = {self.staging_rows};",
                f"constexpr uint64_t kTotalBytes = {self.total_bytes}ull;"]
-        for i, slot in enumerate(WORKSPACE_SLOTS):
-            if slot is not None:
-                out.append(f"constexpr uint32_t kSlot_{slot} = {i};")
+        for i, slot in _named_slots():
+            out.append(f"constexpr uint32_t kSlot_{slot} = {i};")
         for reg in self.regions.values():
             out.append(f"constexpr uint64_t kOffset_{reg.name} = {reg.offset}ull;  "
                        f"// {_DTYPE_NAMES[reg.dtype]} {list(reg.shape)}")

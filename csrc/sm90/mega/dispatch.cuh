@@ -161,9 +161,9 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
     const u32 sent = ld_cg_u32(reinterpret_cast<const u8*>(src.send_count() + p.rank * kNumLocalExperts + e));
     table.src_count[e][r] = sent < kMaxTokens ? sent : kMaxTokens;  // more only when a token lists an expert twice
   }
+  if (threadIdx.x == 0) table.pulled_warps = 0;  // read after pull_rows (its warps meet at the barriers below)
   // In the same round trip as the counts (pull_rows needs them; a load there of its own cost a
   // dependent round trip before the first row load).
-  if (threadIdx.x == 0) table.pulled_warps = 0;  // read after pull_rows (its warps meet at the barriers below)
   if (threadIdx.x >= kNumThreads - kNumRanks) {
     const u32 r = threadIdx.x - (kNumThreads - kNumRanks);
     const Regions src{p.peers[r]};
