@@ -19,6 +19,13 @@ the bytes that land in an SM's stages per cycle and those it fetched itself from
 GPU's fetch rate (when every CTA ran at once: a cluster launch can leave SMs idle), and whether
 they did. With few token blocks many CTAs read the same token box at once (the fused kernel's
 queue does the same); the consumers read nothing, so the stage writes meet no wgmma reads.
+
+`--layout tiled` stores each weight box whole ([tile][chunk][256 rows][128 bytes], 32 KB in a row)
+instead of in rows of K (256 pieces of 128 bytes a row pitch apart), and `--ctas` runs fewer CTAs
+than SMs: at a decode call's task count (`--ctas 96 --tasks 1 --blocks 1`), does HBM serve a box
+faster when it is contiguous?
+
+    python -m benchmarks.stream_probe --configs 32:1:0 --ctas 96 --blocks 1 --tasks 1 --cold --layout rows tiled
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from benchmarks.probe_io import compile_report, probe_arguments, report_rows
 SOURCE, ENTRY = "sm90/probe/stream_rate.cu", "megamoe_stream_rate"
 CONFIGS = ("128:1:0", "128:2:0", "128:2:1", "128:2:2", "64:1:0", "64:2:1")
 WEIGHT_ROWS, ROW_BYTES = 256, 128
+L2_FLUSH_BYTES = 256 << 20  # written between warm-up and timed launch with --cold (H200's L2: 50 MB)
 
 
 def parse_config(text: str) -> dict:
@@ -74,11 +82,12 @@ def check_sizes(cfg: dict, stages: int, tiles: int, blocks: int, ctas: int) -> N
         raise ValueError(f"--ctas={ctas} is not a multiple of the cluster size {cfg['cluster']}")
 
 
-def spec(cfg: dict, stages: int, chunks: int, checksum: bool = False, spin: int = 0):
+def spec(cfg: dict, stages: int, chunks: int, checksum: bool = False, spin: int = 0, tiled: bool = False):
     from vllm_megamoe.kernels import jit
     return jit.KernelSpec.make(SOURCE, ENTRY, dict(PROBE_TOKENS=cfg["tokens"], PROBE_STAGES=stages, PROBE_CHUNKS=chunks,
                                                    PROBE_CLUSTER=cfg["cluster"], PROBE_SHARE=cfg["share"],
-                                                   PROBE_CHECKSUM=int(checksum), PROBE_SPIN=int(spin)))
+                                                   PROBE_CHECKSUM=int(checksum), PROBE_SPIN=int(spin),
+                                                   PROBE_TILED=int(tiled)))
 
 
 def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, blocks: int) -> list[int]:
@@ -103,7 +112,7 @@ def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, blocks
 
 
 def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int, ctas: int | None = None,
-        checksum: bool = False, spin: int = 0) -> dict:
+        checksum: bool = False, spin: int = 0, tiled: bool = False, cold: bool = False) -> dict:
     import torch
 
     from vllm_megamoe.kernels import jit, tma
@@ -112,12 +121,17 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ctas = ctas or sms - sms % cfg["cluster"]
     check_sizes(cfg, stages, tiles, blocks, ctas)
-    kernel = jit.get_kernel(spec(cfg, stages, chunks, checksum, spin), dev)
+    if ctas > sms:
+        raise ValueError(f"--ctas={ctas}: this GPU has {sms} SMs (one CTA per SM)")
+    kernel = jit.get_kernel(spec(cfg, stages, chunks, checksum, spin, tiled), dev)
     if kernel.read_global_int("megamoe_stream_rate_stage_bytes") != stage_bytes(cfg):
         raise RuntimeError(f"stream_rate.cu's stage is {kernel.read_global_int('megamoe_stream_rate_stage_bytes')} "
                            f"bytes, stream_probe.stage_bytes says {stage_bytes(cfg)}: fix the one that is wrong")
     k_bytes = chunks * ROW_BYTES
-    weights = torch.randint(0, 256, (tiles * WEIGHT_ROWS, k_bytes), dtype=torch.uint8, device="cuda")
+    # Tiled: each 256-row x 128-byte box stored whole, [tile][chunk][row][byte]; a tile's bytes stay
+    # together either way (the checksums sum a tile's bytes).
+    weights = torch.randint(0, 256, (tiles * chunks * WEIGHT_ROWS, ROW_BYTES) if tiled else (tiles * WEIGHT_ROWS, k_bytes),
+                            dtype=torch.uint8, device="cuda")
     tokens = torch.randint(0, 256, (blocks * cfg["tokens"], k_bytes), dtype=torch.uint8, device="cuda")
     w_map = tma.make_tensor_map(weights, (ROW_BYTES, WEIGHT_ROWS // (2 if cfg["share"] == 1 else 1)))
     t_map = tma.make_tensor_map(tokens, (ROW_BYTES, cfg["tokens"] // (2 if cfg["share"] == 2 else 1)))
@@ -132,6 +146,8 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
                        ctypes.c_void_p(sums.data_ptr())])
 
     launch(max(1, tasks // 10))  # warm-up
+    if cold:  # the warm-up's tiles (the timed launch's first ones) out of the L2 cache: written over
+        torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda").fill_(1)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     launch(tasks)
@@ -156,12 +172,12 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'config':>9} {'spin':>5} {'regs':>5} {'stage KB':>8} {'fetch KB':>8} {'cycles/chunk':>13} "
+    head = (f"{'config':>9} {'layout':>6} {'spin':>5} {'regs':>5} {'stage KB':>8} {'fetch KB':>8} {'cycles/chunk':>13} "
             f"{'wait/chunk':>10} {'landed B/clk':>12} {'fetched B/clk':>13} {'fetch TB/s':>10} {'at once':>7}")
     out = [head]
     for r in rows:
         timed = "cycles_per_chunk" in r
-        out.append(f"{r['config']:>9} {r.get('spin', 0):>5} {r['registers'] or '-':>5} {stage_bytes(r) / 1024:>8.0f} "
+        out.append(f"{r['config']:>9} {r.get('layout', 'rows'):>6} {r.get('spin', 0):>5} {r['registers'] or '-':>5} {stage_bytes(r) / 1024:>8.0f} "
                    f"{fetched_bytes(r) / 1024:>8.0f} "
                    + (f"{r['cycles_per_chunk']:>13.0f} {r['wait_cycles_per_chunk']:>10.0f} {r['landed_bytes_per_clock']:>12.1f} "
                       f"{r['fetched_bytes_per_clock']:>13.1f} "
@@ -175,24 +191,37 @@ def main(argv=None) -> int:
     ap = probe_arguments(__doc__, CONFIGS, "TOKENS:CLUSTER:SHARE", tasks=60)
     ap.add_argument("--tiles", type=int, default=512, help="weight tiles of 256 rows (512 x 1 MB: from HBM)")
     ap.add_argument("--blocks", type=int, default=2, help="token blocks, each read by consecutive tasks of a tile")
+    ap.add_argument("--ctas", type=int, default=None,
+                    help="CTAs (one per SM; default every SM): e.g. 96 for the SMs a V4-Flash-like 1-token call streams with")
+    ap.add_argument("--layout", nargs="+", choices=("rows", "tiled"), default=["rows"],
+                    help="weights in rows of K (the fused kernel's layout) or each 256 x 128-byte box stored whole; "
+                         "each a row per config")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the warm-up's tiles from the L2 cache before the timed launch (with --tasks 1 "
+                         "the timed launch reads the same tiles)")
     ap.add_argument("--spin", type=int, nargs="+", default=[0],
                     help="SM clocks the consumer holds each stage (the chunk's math; ~1600 for FP8 128-token chunks), "
                          "each value a row per config")
     args = ap.parse_args(argv)
     if any(v < 0 for v in args.spin):
         ap.error(f"--spin {args.spin}: clocks must be >= 0")
+    if args.ctas is not None and args.ctas < 1:
+        ap.error(f"--ctas {args.ctas}: at least one CTA")
     from vllm_megamoe.kernels import jit
 
     def rows():
         for spin in args.spin:
             for text in args.configs:
-                cfg = parse_config(text)
-                row = dict(config=text, **cfg, spin=spin, stages=args.stages, chunks=args.chunks, tasks=args.tasks,
-                           tiles=args.tiles, blocks=args.blocks,
-                           **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks, spin=spin)).log))
-                if not args.compile_only:
-                    row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks, spin=spin))
-                yield row
+                for layout in args.layout:
+                    cfg, tiled = parse_config(text), layout == "tiled"
+                    row = dict(config=text, **cfg, layout=layout, spin=spin, stages=args.stages, chunks=args.chunks,
+                               tasks=args.tasks, tiles=args.tiles, blocks=args.blocks,
+                               **compile_report(jit.compile_kernel(spec(cfg, args.stages, args.chunks, spin=spin,
+                                                                        tiled=tiled)).log))
+                    if not args.compile_only:
+                        row.update(run(cfg, args.stages, args.chunks, args.tasks, args.tiles, args.blocks,
+                                       ctas=args.ctas, spin=spin, tiled=tiled, cold=args.cold))
+                    yield row
     return report_rows(rows(), table, args.out, args.compile_only)
 
 

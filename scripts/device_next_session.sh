@@ -27,6 +27,8 @@
 #   STEP=epilogue_cost graph times with and without the GEMM epilogues (FORMAT, default bf16), one GPU
 #   STEP=stream  the operand stream alone, with and without 2-CTA weight / token multicast
 #                (benchmarks/stream_probe.py; its GPU test first), weights from HBM and from L2, one GPU
+#   STEP=contig  the operand stream alone with each weight box stored whole against rows of K, at decode
+#                task counts (benchmarks/stream_probe.py --layout), one GPU
 #   STEP=one_gpu every check one H200 allows (nvidia-h200): the one-GPU kernel tests, the multi-rank
 #                tests with 2 ranks sharing the GPU (MEGAMOE_SHARED_GPU=1: protocol only), the
 #                kernel_probe A/B against BASES at EP1 (one process, variants csrc=<base>/csrc, ROUNDS
@@ -191,6 +193,20 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-bf16} --shapes v4-flash deepseek-v3 qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants tile=128 tile=128,ablate=epilogue tile=64 tile=64,ablate=epilogue \
       --out "$OUT/probe_epilogue_${FORMAT:-bf16}.json" 2>&1 | tail -30 ;;
+  contig)   # ~3 min, one H200: does HBM serve a decode task's weight stream faster when each 256 x 128-byte
+            # box is stored whole (stream_probe --layout tiled, kernel_notes v26)? The probe's GPU test, then
+            # rows vs tiled at V4-Flash-like L1 (32 chunks, 96 SMs) / L2 (16 chunks), Qwen3-like L1 (16
+            # chunks, 48 SMs) and every SM, 1 and 4 tasks per CTA, without and with 1000 clocks of math per chunk
+    timeout 150 python3 -m pytest $T tests/gpu/test_stream_multicast.py > "$OUT/stream_tests.log" 2>&1
+    tail -2 "$OUT/stream_tests.log"
+    for run in "32 96" "16 96" "16 48" "32 132" "16 132"; do
+      set -- $run
+      for tasks in 1 4; do
+        echo "== chunks $1, CTAs $2, tasks $tasks"
+        timeout 60 python3 -m benchmarks.stream_probe --configs 32:1:0 --chunks $1 --ctas $2 --tasks $tasks --blocks 1 \
+          --tiles 512 --cold --layout rows tiled --spin 0 1000 --out "$OUT/contig_c$1_n$2_t$tasks.json" 2>&1 | tail -5
+      done
+    done ;;
   stream)   # ~1 min, one H200: does a cluster sharing the weight box stream chunks faster (kernel_notes v22)?
     timeout 120 python3 -m pytest $T tests/gpu/test_stream_multicast.py > "$OUT/stream_tests.log" 2>&1
     tail -2 "$OUT/stream_tests.log"

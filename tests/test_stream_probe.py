@@ -74,9 +74,10 @@ def test_expected_checksums_follow_the_task_order(config):
 def test_probe_builds(config):
     cfg = sp.parse_config(config)
     for checksum in (False, True):
-        log = jit.compile_kernel(sp.spec(cfg, 4, 32, checksum)).log
-        assert "Used" in log and "spill stores" in log
-        assert " 0 bytes spill stores" in log
+        for tiled in (False, True):
+            log = jit.compile_kernel(sp.spec(cfg, 4, 32, checksum, tiled=tiled)).log
+            assert "Used" in log and "spill stores" in log
+            assert " 0 bytes spill stores" in log
 
 
 @needs_nvrtc
@@ -101,9 +102,17 @@ def test_table_marks_a_launch_that_did_not_run_at_once():
     lines = sp.table([row, dict(row, fetched_tb_per_s=5.4321, all_at_once=True, spin=1000,
                                 wait_cycles_per_chunk=500.0)]).splitlines()
     assert lines[1].split()[-2:] == ["-", "NO"] and lines[2].split()[-2:] == ["5.43", "yes"]
-    assert lines[2].split()[1] == "1000" and lines[2].split()[6] == "500"
+    assert lines[2].split()[1:3] == ["rows", "1000"] and lines[2].split()[7] == "500"
+    tiled = sp.table([dict(row, layout="tiled")]).splitlines()[1].split()
+    assert tiled[1] == "tiled"
 
 
 def test_spin_must_not_be_negative():
     with pytest.raises(SystemExit):
         sp.main(["--compile-only", "--spin", "-5"])
+
+
+def test_bad_ctas_and_layout_are_refused():
+    for argv in (["--ctas", "0"], ["--layout", "columns"]):
+        with pytest.raises(SystemExit):
+            sp.main(["--compile-only", *argv])

@@ -19,10 +19,11 @@ requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs a Hopper (SM90)
 
 
 @requires_sm90
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiled"])
 @pytest.mark.parametrize("config", ["128:1:0", "128:2:0", "128:2:1", "128:2:2", "64:2:1", "32:2:2"])
-def test_every_chunk_lands_whole(config):
+def test_every_chunk_lands_whole(config, tiled):
     cfg = sp.parse_config(config)
     torch.manual_seed(0)
-    row = sp.run(cfg, stages=3, chunks=5, tasks=7, tiles=6, blocks=4, checksum=True)
+    row = sp.run(cfg, stages=3, chunks=5, tasks=7, tiles=6, blocks=4, checksum=True, tiled=tiled)
     assert row["checksum_ok"], f"{config}: a CTA consumed other bytes than its tasks' boxes"
     assert row["cycles_per_chunk"] > 0

@@ -23,6 +23,10 @@
 // PROBE_SPIN     SM clocks the consumer holds each stage before releasing it (the K loop's math on
 //                   the chunk, ~1600 for an FP8 128-token chunk): does the stream keep up with a
 //                   consumer at that pace, or does a chunk still wait for its stage (v23)?
+// PROBE_TILED    0: weights as the fused kernel keeps them, rows of kChunks x 128 bytes (a box is 256
+//                   pieces of 128 bytes, one per row, a row pitch apart); 1: each box stored whole,
+//                   [tile][chunk][256 rows][128 bytes] (a box is 32 KB in a row): does HBM serve a
+//                   decode task's stream faster when a box is contiguous (kernel_notes v26)?
 #include "../tma.cuh"
 
 #ifndef PROBE_CHECKSUM
@@ -30,6 +34,9 @@
 #endif
 #ifndef PROBE_SPIN
 #define PROBE_SPIN 0
+#endif
+#ifndef PROBE_TILED
+#define PROBE_TILED 0
 #endif
 #if PROBE_CLUSTER > 1
 #define PROBE_CLUSTER_DIMS __cluster_dims__(PROBE_CLUSTER, 1, 1)
@@ -43,6 +50,7 @@ constexpr u32 kTokens = PROBE_TOKENS, kStages = PROBE_STAGES, kChunks = PROBE_CH
 constexpr u32 kCluster = PROBE_CLUSTER, kShare = PROBE_SHARE;
 constexpr bool kChecksum = PROBE_CHECKSUM != 0;
 constexpr long long kSpin = PROBE_SPIN;
+constexpr bool kTiled = PROBE_TILED != 0;
 constexpr u32 kWeightRows = 256, kRowBytes = 128;
 constexpr u32 kWeightBytes = kWeightRows * kRowBytes, kTokenBytes = kTokens * kRowBytes;
 constexpr u32 kStageBytes = kWeightBytes + kTokenBytes;
@@ -85,12 +93,15 @@ MEGAMOE_DEVICE void produce(const TensorMap* weights, const TensorMap* tokens, u
       u8* stage = stages + s * kStageBytes;
       mbarrier_arrive_expect_tx(&full[s], kStageBytes);  // both boxes whole, whoever loads them
       const int k = static_cast<int>(c * kRowBytes);
-      const int w_row = static_cast<int>(task.tile * kWeightRows + (kShare == 1 ? rank * kWeightBoxRows : 0));
+      // Tiled: the box is rows (tile x kChunks + c) x 256 of a tensor 128 bytes wide, at K offset 0.
+      const u32 w_box = kTiled ? (task.tile * kChunks + c) * kWeightRows : task.tile * kWeightRows;
+      const int w_k = kTiled ? 0 : k;
+      const int w_row = static_cast<int>(w_box + (kShare == 1 ? rank * kWeightBoxRows : 0));
       const int t_row = static_cast<int>(task.block * kTokens + (kShare == 2 ? rank * kTokenBoxRows : 0));
       u8* w_dst = stage + (kShare == 1 ? rank * kWeightBoxRows * kRowBytes : 0);
       u8* t_dst = stage + kWeightBytes + (kShare == 2 ? rank * kTokenBoxRows * kRowBytes : 0);
-      if constexpr (kShare == 1) tma_load_2d_multicast(weights, w_dst, &full[s], k, w_row, 0x3);
-      else tma_load_2d(weights, w_dst, &full[s], k, w_row);
+      if constexpr (kShare == 1) tma_load_2d_multicast(weights, w_dst, &full[s], w_k, w_row, 0x3);
+      else tma_load_2d(weights, w_dst, &full[s], w_k, w_row);
       if constexpr (kShare == 2) tma_load_2d_multicast(tokens, t_dst, &full[s], k, t_row, 0x3);
       else tma_load_2d(tokens, t_dst, &full[s], k, t_row);
     }
@@ -138,7 +149,7 @@ using namespace megamoe::probe;
 // Read back by the host to check its byte arithmetic (stream_probe.stage_bytes).
 extern "C" __device__ int megamoe_stream_rate_stage_bytes = kStageBytes;
 
-// weights: [tiles x 256][chunks x 128] bytes, box 128 x kWeightBoxRows; tokens: [blocks x
+// weights: [tiles x 256][chunks x 128] bytes (tiled: [tiles x chunks x 256][128]), box 128 x kWeightBoxRows; tokens: [blocks x
 // kTokens][chunks x 128], box 128 x kTokenBoxRows. Per CTA: cycles[b] (the consumer's SM clock
 // from its first wait to its last release), ns[2 b], ns[2 b + 1] (global timer at those points:
 // whether all CTAs ran at once), checksum[b].
