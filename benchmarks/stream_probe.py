@@ -90,11 +90,11 @@ def spec(cfg: dict, stages: int, chunks: int, checksum: bool = False, spin: int 
                                                    PROBE_TILED=int(tiled)))
 
 
-def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, blocks: int) -> list[int]:
+def expected_checksums(weights, tokens, cfg: dict, tasks: int, ctas: int, tiles: int, blocks: int) -> list[int]:
     """Each CTA's sum of the 32-bit words of every chunk it consumed (mod 2**32): a task's chunks
-    hold its weight tile's and token block's rows whole, whatever the swizzle or who loaded them."""
+    hold its weight tile's and token block's rows whole, whatever the swizzle or who loaded them.
+    A tile's bytes are consecutive in both weight layouts, so `tiles` equal parts of `weights`."""
     import torch
-    tiles = weights.shape[0] // WEIGHT_ROWS
     tile_sums = weights.view(torch.int32).to(torch.int64).view(tiles, -1).sum(1).tolist()
     block_sums = tokens.view(torch.int32).to(torch.int64).view(blocks, -1).sum(1).tolist()
     out = []
@@ -167,7 +167,7 @@ def run(cfg: dict, stages: int, chunks: int, tasks: int, tiles: int, blocks: int
                all_at_once=all_at_once)
     if checksum:
         got = [v % 2**32 for v in sums.tolist()]
-        row["checksum_ok"] = got == expected_checksums(weights, tokens, cfg, tasks, ctas, blocks)
+        row["checksum_ok"] = got == expected_checksums(weights, tokens, cfg, tasks, ctas, tiles, blocks)
     return row
 
 

@@ -54,7 +54,7 @@ def test_expected_checksums_follow_the_task_order(config):
     tiles, blocks, ctas, tasks = 4, 2, 6, 5
     weights = torch.randint(0, 256, (tiles * 256, 256), dtype=torch.uint8, generator=g)
     tokens = torch.randint(0, 256, (blocks * 64, 256), dtype=torch.uint8, generator=g)
-    got = sp.expected_checksums(weights, tokens, cfg, tasks, ctas, blocks)
+    got = sp.expected_checksums(weights, tokens, cfg, tasks, ctas, tiles, blocks)
     for cta in range(ctas):  # the same sums, task by task from the rows themselves
         total = 0
         for t in range(tasks):
@@ -67,6 +67,10 @@ def test_expected_checksums_follow_the_task_order(config):
         assert got[cta] == total % 2**32
     if cfg["share"]:  # a cluster's two CTAs run different tasks (one operand in common)
         assert got[0] != got[1]
+    # The tiled layout ([tile][chunk][256 rows][128 bytes]) holds each tile's bytes in another order:
+    # the same sums (a box split by 128 bytes of K, 2 chunks here).
+    tiled = weights.view(tiles, 256, 2, 128).transpose(1, 2).reshape(tiles * 2 * 256, 128)
+    assert sp.expected_checksums(tiled, tokens, cfg, tasks, ctas, tiles, blocks) == got
 
 
 @needs_nvrtc

@@ -51,11 +51,17 @@ MEGAMOE_DEVICE int accum_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane 
 // 8 rows further; registers 2 / 3 those rows 16 K bytes further. That is ldmatrix's fragment of
 // the four 8 x 16-byte matrices (rows +0 / +8) x (segments 2 kk / 2 kk + 1): one ldmatrix.x4,
 // its 8 rows per matrix in 8 distinct swizzled segments (no bank conflict).
-MEGAMOE_DEVICE void load_a_fragment_fp8_sw128(u32 (&a)[4], u32 tile_smem_address, u32 kk) {
+// The tile row whose 16 bytes this lane addresses (the lanes holding that row's values get them).
+MEGAMOE_DEVICE u32 a_fragment_lane_row() {
   const u32 lane = threadIdx.x % 32, matrix = lane / 8;
-  const u32 row = 16 * (threadIdx.x / 32 % 4) + (matrix % 2) * 8 + lane % 8;
-  const u32 segment = 2 * kk + matrix / 2;
-  ldmatrix_x4(a, tile_smem_address + row * 128 + ((segment ^ (row % 8)) * 16));
+  return 16 * (threadIdx.x / 32 % 4) + (matrix % 2) * 8 + lane % 8;
+}
+MEGAMOE_DEVICE u32 a_fragment_lane_address_fp8_sw128(u32 tile_smem_address, u32 kk) {
+  const u32 row = a_fragment_lane_row(), segment = 2 * kk + (threadIdx.x % 32) / 16;
+  return tile_smem_address + row * 128 + ((segment ^ (row % 8)) * 16);
+}
+MEGAMOE_DEVICE void load_a_fragment_fp8_sw128(u32 (&a)[4], u32 tile_smem_address, u32 kk) {
+  ldmatrix_x4(a, a_fragment_lane_address_fp8_sw128(tile_smem_address, kk));
 }
 
 }  // namespace megamoe

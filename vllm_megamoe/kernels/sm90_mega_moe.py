@@ -92,7 +92,8 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     return cache[key]
 
 
-# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue
+# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|
+# keep_padding
 # ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
 # staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
@@ -100,11 +101,12 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
 # compute on those real bytes; narrow: every task of an FP8 64-token build computes only its first
 # 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; epilogue:
 # the epilogue warpgroup takes each hand-off and computes and stores nothing, builds without one skip
-# their epilogues; MEGAMOE_ABLATE,
+# their epilogues; keep_padding: the FP8 register-token loops compute the token box's padding rows on
+# the bytes it read instead of zeros (outputs right, the A/B of the zeroing); MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong; the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
-             "half_rows": 128, "epilogue": 256}
+             "half_rows": 128, "epilogue": 256, "keep_padding": 512}
 
 
 def ablation_from_env() -> int:

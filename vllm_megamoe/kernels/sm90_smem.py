@@ -44,7 +44,8 @@ def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int =
     ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale;
     none when tables_in_mainloop, see epilogue_tables_in_mainloop)
     and, unless it lives in a mainloop stage, its tile (epilogue_tile.cuh EpilogueSmem), and 1 KB
-    of headroom (the task queue's, the hand-off header's and the phase clock's few words among it)."""
+    of headroom (the task queue's, the hand-off header's and the phase clock's few words, and the
+    register-token loops' 16-byte zero line, among it)."""
     # src_count, row_start and block_start, listed, pulled_warps
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks + 1) * 4
     # (epilogue_tables_in_mainloop: the per-token tables live in the mainloop's token-scale table)

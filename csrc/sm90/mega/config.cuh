@@ -115,6 +115,7 @@ constexpr u32 kAblateNarrow = 64;    // FP8 64-token tiles: every task runs the 
 constexpr u32 kAblateHalfRows = 128; // FP8: each warpgroup's second m64 wgmma group is never issued (empty commit)
 constexpr u32 kAblateEpilogue = 256; // epilogue warpgroup: the hand-off runs, the rows are neither computed nor stored;
                                      // inline epilogues (128-token builds): skipped, the L1 tile published unwritten
+constexpr u32 kAblateKeepPadding = 512;  // FP8 register-token loops: padding token rows keep the bytes the box read
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

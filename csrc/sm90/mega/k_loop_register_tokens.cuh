@@ -52,11 +52,20 @@ struct TokenFragment {
   u32 r[kChunkBytes / 32][4];
 };
 
-MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage) {
+// `rows`: the task's token rows. The lanes addressing the box's rows past them (the next expert's
+// tokens, or the buffer's end) point ldmatrix at a line of zeros instead: those products are
+// dropped by the epilogue anyway, and at prefill the SM clock is what the power cap leaves, which
+// zero operands raise (kernel_notes v26). A select on each address, before the loads, so the
+// fragment goes from ldmatrix to the wgmma as before.
+MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage, u32 rows) {
   // 128-token tiles: warpgroup w's 64 rows (8 KB further: whole swizzle atoms)
-  const u32 tile = smem_addr(sm.b[stage]) + (kRegisterTokens128 ? (threadIdx.x / 128) * 64 * kStagedRow : 0);
+  const u32 first = kRegisterTokens128 ? (threadIdx.x / 128) * 64 : 0;
+  const u32 tile = smem_addr(sm.b[stage]) + first * kStagedRow;
+  const bool padding = !(kAblate & kAblateKeepPadding) && first + a_fragment_lane_row() >= rows;
+  const u32 zeros = smem_addr(token_zero_line);
 #pragma unroll
-  for (u32 kk = 0; kk < kChunkBytes / 32; ++kk) load_a_fragment_fp8_sw128(a.r[kk], tile, kk);
+  for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
+    ldmatrix_x4(a.r[kk], padding ? zeros : a_fragment_lane_address_fp8_sw128(tile, kk));
 }
 
 // Group g (weight rows register_tokens_row(g, 0) ..) of a staged chunk into `part` (overwritten), committed.
@@ -115,7 +124,7 @@ MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroup
   constexpr u32 S = kMainloopStages;
   const u32 stage = st.seq % S;
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
-  load_token_fragment(a, sm, stage);
+  load_token_fragment(a, sm, stage, cur.rows.num_rows);
   issue_register_tokens_group(part, sm, stage, 0, a);
   mma_barrier();
   load_chunk_ahead<K>(sm, st, S - 1, cur, next);
@@ -158,7 +167,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
     wait_for_part<0, 64>(part1);  // g1(c - 1): nothing in flight while a is reloaded
     trace_point(trace, c, 1);
-    load_token_fragment(a, sm, stage);
+    load_token_fragment(a, sm, stage, cur.rows.num_rows);
     issue_register_tokens_group(part0, sm, stage, 0, a);
     trace_point(trace, c, 2);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
@@ -238,7 +247,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, c
   for (u32 c = 1; c < kChunks; ++c) {
     stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
-    load_token_fragment(a, sm, stage);
+    load_token_fragment(a, sm, stage, cur.rows.num_rows);
     issue_register_tokens_group(pa, sm, stage, 0, a);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it

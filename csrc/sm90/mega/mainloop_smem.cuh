@@ -83,11 +83,18 @@ MEGAMOE_DEVICE u32 acc_row_base(u32 warp, u32 mt) {
 #if MEGAMOE_ABLATE & 32
 __shared__ u32 ablate_copies_issued;  // ablate=tma_warm: copies thread 0 made so far
 #endif
+#if MEGAMOE_SMEM_MAINLOOP == 3
+// 16 zero bytes: what the register-token loops load for a token box's padding rows (load_token_fragment).
+__shared__ alignas(16) u32 token_zero_line[4];
+#endif
 
 // TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
 // thread at kernel start; the dispatch barrier's __syncthreads follows before first use.
 MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
 #if MEGAMOE_SMEM_MAINLOOP >= 3
+#if MEGAMOE_SMEM_MAINLOOP == 3
+  if (threadIdx.x < 4) token_zero_line[threadIdx.x] = 0;
+#endif
   if (threadIdx.x == 0) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
 #if MEGAMOE_ABLATE & 32
