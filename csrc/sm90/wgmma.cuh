@@ -44,14 +44,8 @@ MEGAMOE_DEVICE int accum_row(int i, int warp_in_wg, int lane) {
 }
 MEGAMOE_DEVICE int accum_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane % 4) + (i & 1); }
 
-// The A operand of an FP8 m64nNk32 wgmma from registers, for k-step kk (bytes 32 kk .. 32 kk + 31
-// of each row) of a 64-row, 128-byte-per-row K-major tile stored with the 128-byte swizzle that
-// TMA writes (16-byte segment s of row r at s ^ (r % 8)). Warp w of the warpgroup holds rows
-// 16 w .. 16 w + 15: register 0 row lane / 4, K bytes 4 (lane % 4) .. +3; register 1 the same
-// 8 rows further; registers 2 / 3 those rows 16 K bytes further. That is ldmatrix's fragment of
-// the four 8 x 16-byte matrices (rows +0 / +8) x (segments 2 kk / 2 kk + 1): one ldmatrix.x4,
-// its 8 rows per matrix in 8 distinct swizzled segments (no bank conflict).
-// The tile row whose 16 bytes this lane addresses (the lanes holding that row's values get them).
+// For load_a_fragment_fp8_sw128 below: the tile row whose 16 bytes this lane hands ldmatrix (the
+// lanes holding that row's values receive them), and that address for k-step kk.
 MEGAMOE_DEVICE u32 a_fragment_lane_row() {
   const u32 lane = threadIdx.x % 32, matrix = lane / 8;
   return 16 * (threadIdx.x / 32 % 4) + (matrix % 2) * 8 + lane % 8;
@@ -60,6 +54,14 @@ MEGAMOE_DEVICE u32 a_fragment_lane_address_fp8_sw128(u32 tile_smem_address, u32 
   const u32 row = a_fragment_lane_row(), segment = 2 * kk + (threadIdx.x % 32) / 16;
   return tile_smem_address + row * 128 + ((segment ^ (row % 8)) * 16);
 }
+
+// The A operand of an FP8 m64nNk32 wgmma from registers, for k-step kk (bytes 32 kk .. 32 kk + 31
+// of each row) of a 64-row, 128-byte-per-row K-major tile stored with the 128-byte swizzle that
+// TMA writes (16-byte segment s of row r at s ^ (r % 8)). Warp w of the warpgroup holds rows
+// 16 w .. 16 w + 15: register 0 row lane / 4, K bytes 4 (lane % 4) .. +3; register 1 the same
+// 8 rows further; registers 2 / 3 those rows 16 K bytes further. That is ldmatrix's fragment of
+// the four 8 x 16-byte matrices (rows +0 / +8) x (segments 2 kk / 2 kk + 1): one ldmatrix.x4,
+// its 8 rows per matrix in 8 distinct swizzled segments (no bank conflict).
 MEGAMOE_DEVICE void load_a_fragment_fp8_sw128(u32 (&a)[4], u32 tile_smem_address, u32 kk) {
   ldmatrix_x4(a, a_fragment_lane_address_fp8_sw128(tile_smem_address, kk));
 }
