@@ -289,6 +289,28 @@ def test_profiling_builds_are_opt_in(monkeypatch, var, good, define, value, bad)
     assert sm90_mega_moe.kernel_spec(shape, buf) == plain
 
 
+def test_ablation_warning_says_whether_outputs_are_right(monkeypatch, caplog):
+    """keep_padding alone changes only what padding rows compute (its outputs are right: the
+    zeroing's A/B); with any other ablation the build's outputs are wrong, and the warning says which."""
+    import logging
+
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    for value, says in (("keep_padding", "outputs are right"), ("keep_padding+mma", "outputs are wrong"),
+                        ("tma", "outputs are wrong")):
+        monkeypatch.setenv("VLLM_MEGAMOE_SM90_ABLATE", value)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            sm90_mega_moe.kernel_spec(shape, _Buf())
+        assert any(says in r.getMessage() and value in r.getMessage() for r in caplog.records), (value, caplog.text)
+
+
 def test_chunk_trace_task_is_chosen_per_build(monkeypatch):
     """VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK picks the traced L1 task of a trace build (default
     phase_clock.TRACE_TASK), is a separate build per task, is ignored without the trace, and a bad
