@@ -235,11 +235,16 @@ def table(rows: list[dict]) -> str:
     spans = [r for r in rows if r.get("task_us")]
     if spans:  # an average task's spans (phase_clock.task_spans)
         keys = ("l1_gemm", "l1_epilogue", "l1_between", "l2_wait", "l2_gemm", "l2_epilogue", "l2_between")
-        lines += ["", "us per task: " + "  ".join(f"{k:>11}" for k in keys) + "  tasks L1/L2"]
+        # The SM clock of the clocked call, and the K loops in kilocycles: at prefill the clock is what
+        # the power cap leaves (kernel_notes v26), so a change's time can move with the clock alone.
+        lines += ["", "us per task: " + "  ".join(f"{k:>11}" for k in keys)
+                  + "  tasks L1/L2    GHz  L1/L2 gemm kcycles"]
         for r in spans:
             t = r["task_us"]
+            ghz = t.get("sm_ghz", float("nan"))
             lines.append(_row_label(r) + "  ".join(f"{t.get(k, float('nan')):11.2f}" for k in keys)
-                         + f"  {t.get('l1_tasks', 0):.0f}/{t.get('l2_tasks', 0):.0f}")
+                         + f"  {t.get('l1_tasks', 0):.0f}/{t.get('l2_tasks', 0):.0f}  {ghz:5.2f}"
+                         + f"  {t.get('l1_gemm', float('nan')) * ghz:.1f}/{t.get('l2_gemm', float('nan')) * ghz:.1f}")
     traced = [r for r in rows if r.get("chunk_trace")]
     if traced:  # SM cycles per interval of a traced K chunk, warpgroup 0 / warpgroup 1 (phase_clock.chunk_trace)
         from vllm_megamoe.kernels.phase_clock import TRACE_INTERVALS

@@ -145,3 +145,13 @@ def test_scoped_env_sets_unsets_and_restores(monkeypatch):
         pass
     assert os.environ["MEGAMOE_TEST_A"] == "before" and os.environ["MEGAMOE_TEST_GONE"] == "here"
     assert "MEGAMOE_TEST_NEW" not in os.environ
+
+
+def test_task_table_gives_the_clock_and_kilocycles():
+    """At prefill the SM clock moves with power, so the per-task table prints it and the K loops'
+    kilocycles (us x GHz) beside the microseconds."""
+    r = dict(shape="v4-flash", format="fp8-block", tokens_per_rank=8192, variant="default", graph_us=3500.0,
+             rel_err_vs_first_variant=0.0, clock_total_us=3400.0, ctas=132, phases_us={},
+             task_us={"l1_gemm": 30.0, "l2_gemm": 16.0, "l1_tasks": 8192.0, "l2_tasks": 8192.0, "sm_ghz": 1.5})
+    line = [ln for ln in kp.table([r]).splitlines() if "8192/8192" in ln][0]
+    assert line.split()[-2:] == ["1.50", "45.0/24.0"]
