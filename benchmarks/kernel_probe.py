@@ -5,16 +5,18 @@
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
-`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue`
+`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|keep_padding`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
-times only), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace), `csrc=DIR` ->
+times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace), `csrc=DIR` ->
 VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a commit's `csrc/` from `git archive`); several
 joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
 rank needed from one phase mark to the next, and for trace builds the SM cycles of each interval of
 a traced K chunk (phase_clock.chunk_trace). With --rounds N the variants run N times in turn and
-each case reports its median round.
+each case reports its median round. With --power, nvidia-smi samples the SM clock and board power
+while rank 0 times each case (its medians in the row: at prefill the time is what the 700 W cap
+allows, docs/kernel_notes.md v26).
 
     python3 -m benchmarks.kernel_probe --gpus 1 --tokens 1 8 --variants default csrc=.probe_base/csrc --rounds 3
 """
@@ -32,7 +34,7 @@ PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
-         # tma_warm, narrow, half_rows, epilogue; wrong outputs)
+         # tma_warm, narrow, half_rows, epilogue; wrong outputs; keep_padding: right outputs)
          "ablate": "VLLM_MEGAMOE_SM90_ABLATE",
          # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
          "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",
@@ -106,13 +108,14 @@ def combine_rounds(rounds: list[dict]) -> dict:
     return out
 
 
-def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, rounds=1):
+def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, rounds=1, power=False):
     import torch
 
     from vllm_megamoe import SymmBuffer, reference
     from vllm_megamoe.kernels import phase_clock, sm90_mega_moe, sm90_tuning
 
     from benchmarks.common import local_weights, median_us, rotating_inputs
+    from benchmarks.power_probe import sample_clocks, stop_samples
     from benchmarks.timing import capture_graph, time_events
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -145,7 +148,9 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
                     digest = hashlib.sha1(out.view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
                     err = reference.relative_error(out, baseline)
                     graph = capture_graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y))
+                    sampler = sample_clocks(torch.cuda.current_device()) if power and rank == 0 else None
                     times = time_events(graph.replay, iters, 2, load)
+                    timed_mhz, timed_w = stop_samples(sampler)
                     del graph
                     load(0)
                     clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf), dev,
@@ -158,6 +163,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
                            experts=shape.num_experts, topk=shape.topk, format=fmt, tokens_per_rank=tokens,
                            variant=variant, rank=rank, mainloop=resolved,
                            graph_us=median_us(times), rel_err_vs_first_variant=err, out_sha1=digest,
+                           timed_sm_mhz=timed_mhz, timed_power_w=timed_w,
                            clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
                            phases_us=phase_row(summary) if summary else {},
                            # every mark's first and latest CTA (us from the first CTA's start): the
@@ -245,6 +251,10 @@ def table(rows: list[dict]) -> str:
             lines.append(_row_label(r) + "  ".join(f"{t.get(k, float('nan')):11.2f}" for k in keys)
                          + f"  {t.get('l1_tasks', 0):.0f}/{t.get('l2_tasks', 0):.0f}  {ghz:5.2f}"
                          + f"  {t.get('l1_gemm', float('nan')) * ghz:.1f}/{t.get('l2_gemm', float('nan')) * ghz:.1f}")
+    powered = [r for r in rows if r.get("timed_power_w") is not None]
+    if powered:  # --power: nvidia-smi's medians while rank 0 timed the case (its median round)
+        lines += ["", "while timed (rank 0):  SM MHz  power W"]
+        lines += [_row_label(r) + f"{r['timed_sm_mhz']:13.0f}  {r['timed_power_w']:7.0f}" for r in powered]
     traced = [r for r in rows if r.get("chunk_trace")]
     if traced:  # SM cycles per interval of a traced K chunk, warpgroup 0 / warpgroup 1 (phase_clock.chunk_trace)
         from vllm_megamoe.kernels.phase_clock import TRACE_INTERVALS
@@ -322,6 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variants this many times in turn (v1 v2 .. v1 v2 ..) and report each "
                          "case's median round: A/B at a few tokens per rank drifts within one call")
+    ap.add_argument("--power", action="store_true",
+                    help="sample the SM clock and board power (nvidia-smi) while rank 0 times each case")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -338,7 +350,7 @@ def main(argv=None) -> int:
         probe_shape(spec)
     from vllm_megamoe.launch import run_ranks
     results = run_ranks(_rank_main, args.gpus,
-                        (args.shapes, args.format, args.tokens, args.variants, args.iters, args.rounds),
+                        (args.shapes, args.format, args.tokens, args.variants, args.iters, args.rounds, args.power),
                         backend="nccl", timeout_s=args.timeout)
     rows = merge(results)
     print(table(rows), flush=True)

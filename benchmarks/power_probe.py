@@ -26,7 +26,7 @@ import subprocess
 import time
 
 
-def _sample_clocks(device_index: int):
+def sample_clocks(device_index: int):
     """A running nvidia-smi sampling SM clock (MHz) and power (W) every 100 ms, or None."""
     if shutil.which("nvidia-smi") is None:
         return None
@@ -35,7 +35,7 @@ def _sample_clocks(device_index: int):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def _stop_samples(proc) -> tuple[float | None, float | None]:
+def stop_samples(proc) -> tuple[float | None, float | None]:
     if proc is None:
         return None, None
     proc.terminate()
@@ -89,7 +89,7 @@ def measure(m: int, n: int, k: int, zero_fraction: float, seconds: float, warmup
         for _ in range(20):
             gemm()
         torch.cuda.synchronize()
-    proc = _sample_clocks(torch.cuda.current_device())
+    proc = sample_clocks(torch.cuda.current_device())
     calls, t0 = 0, time.time()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -101,7 +101,7 @@ def measure(m: int, n: int, k: int, zero_fraction: float, seconds: float, warmup
     stop.record()
     torch.cuda.synchronize()
     row["tflops"] = flops * calls / (start.elapsed_time(stop) * 1e-3) / 1e12
-    row["sm_mhz"], row["power_w"] = _stop_samples(proc)
+    row["sm_mhz"], row["power_w"] = stop_samples(proc)
     return row
 
 

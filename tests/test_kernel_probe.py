@@ -155,3 +155,14 @@ def test_task_table_gives_the_clock_and_kilocycles():
              task_us={"l1_gemm": 30.0, "l2_gemm": 16.0, "l1_tasks": 8192.0, "l2_tasks": 8192.0, "sm_ghz": 1.5})
     line = [ln for ln in kp.table([r]).splitlines() if "8192/8192" in ln][0]
     assert line.split()[-2:] == ["1.50", "45.0/24.0"]
+
+
+def test_power_samples_show_when_taken():
+    """--power: the table gives rank 0's sampled SM clock and board power per case; rows without
+    samples (no --power, or no nvidia-smi) print no such section."""
+    sampled = dict(kp.combine_rounds([_round(12.0)]), timed_sm_mhz=1512.0, timed_power_w=698.0)
+    text = kp.table(kp.merge([[sampled]]))
+    line = text.splitlines()[text.splitlines().index("while timed (rank 0):  SM MHz  power W") + 1]
+    assert line.split()[-2:] == ["1512", "698"]
+    plain = dict(kp.combine_rounds([_round(12.0)]), timed_sm_mhz=None, timed_power_w=None)
+    assert "while timed" not in kp.table(kp.merge([[plain]]))

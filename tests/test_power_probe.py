@@ -32,5 +32,5 @@ def test_stopped_sampler_medians():
         def communicate(self, timeout):
             return "1300, 690.5\n1500, 700.0\nbad line\n1400, 695.0\n", ""
 
-    assert pp._stop_samples(Fake()) == (1400.0, 695.0)
-    assert pp._stop_samples(None) == (None, None)
+    assert pp.stop_samples(Fake()) == (1400.0, 695.0)
+    assert pp.stop_samples(None) == (None, None)
