@@ -31,6 +31,7 @@ import os
 PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"), ("L1", "l1_start", "l1_done"),
           ("L1 sync", "l1_done", "l2_start"), ("L2", "l2_start", "l2_done"), ("combine", "l2_done", "combined"),
           ("reduce", "combined", "end"))
+SHORT_POWER_WINDOW_S = 2.0  # --power: nvidia-smi's power.draw averages ~1 s, so shorter windows read low
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
@@ -164,6 +165,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
                            variant=variant, rank=rank, mainloop=resolved,
                            graph_us=median_us(times), rel_err_vs_first_variant=err, out_sha1=digest,
                            timed_sm_mhz=timed_mhz, timed_power_w=timed_w,
+                           timed_window_s=sum(times) * 1e-6 if sampler is not None else None,
                            clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
                            phases_us=phase_row(summary) if summary else {},
                            # every mark's first and latest CTA (us from the first CTA's start): the
@@ -253,8 +255,13 @@ def table(rows: list[dict]) -> str:
                          + f"  {t.get('l1_gemm', float('nan')) * ghz:.1f}/{t.get('l2_gemm', float('nan')) * ghz:.1f}")
     powered = [r for r in rows if r.get("timed_power_w") is not None]
     if powered:  # --power: nvidia-smi's medians while rank 0 timed the case (its median round)
-        lines += ["", "while timed (rank 0):  SM MHz  power W"]
-        lines += [_row_label(r) + f"{r['timed_sm_mhz']:13.0f}  {r['timed_power_w']:7.0f}" for r in powered]
+        # power.draw is an average over about a second: a window under ~2 s reads low (idle before it)
+        lines += ["", "while timed (rank 0):  SM MHz  power W  window s"]
+        for r in powered:
+            window = r.get("timed_window_s")
+            lines.append(_row_label(r) + f"{r['timed_sm_mhz']:13.0f}  {r['timed_power_w']:7.0f}  "
+                         + ("-" if window is None else f"{window:8.1f}")
+                         + ("  (short: reads low)" if window is not None and window < SHORT_POWER_WINDOW_S else ""))
     traced = [r for r in rows if r.get("chunk_trace")]
     if traced:  # SM cycles per interval of a traced K chunk, warpgroup 0 / warpgroup 1 (phase_clock.chunk_trace)
         from vllm_megamoe.kernels.phase_clock import TRACE_INTERVALS

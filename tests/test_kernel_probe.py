@@ -160,9 +160,13 @@ def test_task_table_gives_the_clock_and_kilocycles():
 def test_power_samples_show_when_taken():
     """--power: the table gives rank 0's sampled SM clock and board power per case; rows without
     samples (no --power, or no nvidia-smi) print no such section."""
-    sampled = dict(kp.combine_rounds([_round(12.0)]), timed_sm_mhz=1512.0, timed_power_w=698.0)
-    text = kp.table(kp.merge([[sampled]]))
-    line = text.splitlines()[text.splitlines().index("while timed (rank 0):  SM MHz  power W") + 1]
-    assert line.split()[-2:] == ["1512", "698"]
+    sampled = dict(kp.combine_rounds([_round(12.0)]), timed_sm_mhz=1512.0, timed_power_w=698.0, timed_window_s=3.6)
+    short = dict(sampled, tokens_per_rank=8, timed_window_s=0.4)
+    text = kp.table(kp.merge([[sampled, short]]))
+    lines = text.splitlines()
+    first = lines.index("while timed (rank 0):  SM MHz  power W  window s") + 1
+    assert lines[first].split()[-3:] == ["1512", "698", "3.6"]
+    assert lines[first + 1].split()[-5:] == ["698", "0.4", "(short:", "reads", "low)"]
+    assert "reads low" not in lines[first] and "reads low" in lines[first + 1]
     plain = dict(kp.combine_rounds([_round(12.0)]), timed_sm_mhz=None, timed_power_w=None)
     assert "while timed" not in kp.table(kp.merge([[plain]]))
