@@ -165,7 +165,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
                            variant=variant, rank=rank, mainloop=resolved,
                            graph_us=median_us(times), rel_err_vs_first_variant=err, out_sha1=digest,
                            timed_sm_mhz=timed_mhz, timed_power_w=timed_w,
-                           timed_window_s=sum(times) * 1e-6 if sampler is not None else None,
+                           timed_window_s=sum(times) * 1e-3 if sampler is not None else None,  # times in ms
                            clock_total_us=summary.get("total_us"), ctas=summary.get("ctas"),
                            phases_us=phase_row(summary) if summary else {},
                            # every mark's first and latest CTA (us from the first CTA's start): the
