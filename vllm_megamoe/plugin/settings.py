@@ -152,7 +152,8 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "the MMA warpgroups (A/B only).",
         core_env=True),
     Key("sm90_ablate", _text, None,
-        "Profiling only, outputs are wrong: SM90 builds without part of the GEMM mainloop "
+        "Profiling only, outputs are wrong (but with keep_padding alone, an A/B build): SM90 builds without part "
+        "of the GEMM mainloop "
         "('+'-joined: promotion, mma, token_rows, weight_rows, tma, tma_warm, narrow, half_rows, epilogue, keep_padding) to time what "
         "is left (benchmarks/kernel_probe.py).",
         core_env=True),
