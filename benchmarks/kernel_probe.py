@@ -7,18 +7,26 @@ For every shape, tokens per rank and variant (an environment override of the ker
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
 `tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|keep_padding`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
-times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace), `csrc=DIR` ->
+times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace and the task trace), `csrc=DIR` ->
 VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a commit's `csrc/` from `git archive`); several
 joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
 rank needed from one phase mark to the next, and for trace builds the SM cycles of each interval of
-a traced K chunk (phase_clock.chunk_trace). With --rounds N the variants run N times in turn and
+a traced K chunk (phase_clock.chunk_trace) and around a traced GEMM task of each phase: lookup,
+token-block check and barrier, K loop, hand-off, the task queue's barrier (phase_clock.task_trace).
+With --rounds N the variants run N times in turn and
 each case reports its median round. With --power, nvidia-smi samples the SM clock and board power
 while rank 0 times each case (its medians in the row: at prefill the time is what the 700 W cap
 allows, docs/kernel_notes.md v26).
 
     python3 -m benchmarks.kernel_probe --gpus 1 --tokens 1 8 --variants default csrc=.probe_base/csrc --rounds 3
+
+--compile-only needs no GPU: it compiles every build the same arguments would load into
+VLLM_MEGAMOE_CACHE_DIR (the keys depend on the sources, the build and NVRTC's version only), so a
+cache filled here and carried in the working tree spares the device its compiles:
+
+    VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit python3 -m benchmarks.kernel_probe --compile-only --gpus 1 ...
 """
 from __future__ import annotations
 
@@ -173,7 +181,8 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
                            marks_us={m: [round(v["first_us"], 3), round(v["last_us"], 3)]
                                      for m, v in summary.get("marks", {}).items()},
                            task_us=summary.get("task_us", {}) if summary else {},
-                           chunk_trace=summary.get("chunk_trace", {}) if summary else {})
+                           chunk_trace=summary.get("chunk_trace", {}) if summary else {},
+                           task_trace=summary.get("task_trace", {}) if summary else {})
                 measured.setdefault(variant, []).append(row)
             rows += [combine_rounds(measured[v]) for v in variants]
         for buf in bufs.values():
@@ -181,6 +190,35 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
         del weights, buf, bufs
         torch.cuda.empty_cache()
     return rows
+
+
+def compile_only(shapes: list[str], fmt: str, tokens_list: list[int], variants: list[str], world: int) -> list[str]:
+    """Compiles every build the probe of these arguments would run into the JIT cache
+    (VLLM_MEGAMOE_CACHE_DIR), without a GPU: the cache keys depend only on the spec, the sources
+    and the compiler (NVRTC's version), so a cache filled here and carried to the device saves
+    the device its compile time. Returns one line per build."""
+    from vllm_megamoe import BufferLayout
+    from vllm_megamoe.kernels import jit, sm90_mega_moe, sm90_tuning
+
+    class _Layout:  # what kernel_spec reads of a SymmBuffer (SymmBuffer's own layout needs a group)
+        def __init__(self, layout):
+            self.layout, self.num_ranks = layout, layout.num_ranks
+
+    lines = []
+    for name in shapes:
+        shape = probe_shape(name)
+        for variant in variants:
+            with scoped_env(variant_env(variant)):
+                # kernel_probe's buffers hold max(tokens) per rank (_rank_main); its first call of a
+                # shape loads every build of the table (sm90_mega_moe.load_kernel), then each case's
+                buf = _Layout(BufferLayout(shape, world, max(tokens_list), fmt))
+                builds = list(sm90_tuning.choices(shape, fmt, world))
+                builds += [c for c in (sm90_tuning.choose(shape, fmt, world, t) for t in tokens_list) if c not in builds]
+                for choice in builds:
+                    compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, buf, choice))
+                    lines.append(f"{name} {variant}: {choice.label()} "
+                                 f"{'cached' if compiled.from_cache else 'compiled'} {compiled.key[:12]}")
+    return lines
 
 
 def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
@@ -211,6 +249,8 @@ def merge(rows_per_rank: list[list[dict]]) -> list[dict]:
                                    else max(m["task_us"].get(k, 0.0), v))
             if not m.get("chunk_trace"):  # kept from the first rank that traced (one rank's cycles, not a max)
                 m["chunk_trace"] = r.get("chunk_trace") or {}
+            if not m.get("task_trace"):
+                m["task_trace"] = r.get("task_trace") or {}
             m.pop("rank", None)
     return list(cases.values())
 
@@ -270,6 +310,14 @@ def table(rows: list[dict]) -> str:
             t = r["chunk_trace"]
             lines.append(_row_label(r) + "  ".join(f"{t[k]['wg0']:7.0f}/{t[k]['wg1']:<7.0f}" for k in TRACE_INTERVALS)
                          + f"  {t['chunk_cycles']:.0f}")
+    tasked = [r for r in rows if r.get("task_trace")]
+    if tasked:  # SM cycles around a traced GEMM task, warpgroup 0 / 1 (phase_clock.task_trace)
+        from vllm_megamoe.kernels.phase_clock import TASK_INTERVALS
+        lines += ["", "cycles per task, wg0/wg1:  " + "  ".join(f"{k:>15}" for k in TASK_INTERVALS) + "  CTAs"]
+        for r in tasked:
+            for phase, t in sorted(r["task_trace"].items()):
+                cells = [f"{t[k]['wg0']:7.0f}/{t[k]['wg1']:<7.0f}" if k in t else f"{'-':>15}" for k in TASK_INTERVALS]
+                lines.append(_row_label(r) + f"{phase} " + "  ".join(cells) + f"  {t['ctas']}")
     return "\n".join(lines)
 
 
@@ -343,6 +391,9 @@ def main(argv=None) -> int:
                     help="sample the SM clock and board power (nvidia-smi) while rank 0 times each case")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="no GPU: compile every build of these arguments into VLLM_MEGAMOE_CACHE_DIR (carry that "
+                         "folder to the device and point VLLM_MEGAMOE_CACHE_DIR at it there)")
     args = ap.parse_args(argv)
     if args.report:
         print(versus(args.report, args.versus) if args.versus else markdown(args.report))
@@ -355,6 +406,10 @@ def main(argv=None) -> int:
         variant_env(v)  # bad variants and shapes fail before any process starts
     for spec in args.shapes:
         probe_shape(spec)
+    if args.compile_only:
+        for line in compile_only(args.shapes, args.format, args.tokens, args.variants, args.gpus):
+            print(line, flush=True)
+        return 0
     from vllm_megamoe.launch import run_ranks
     results = run_ranks(_rank_main, args.gpus,
                         (args.shapes, args.format, args.tokens, args.variants, args.iters, args.rounds, args.power),

@@ -468,6 +468,89 @@ def test_chunk_trace_constants_match_the_kernel():
             range(len(phase_clock.TRACE_POINTS))), header
 
 
+def test_task_trace_constants_match_the_kernel():
+    """The task trace's points and layout are phase_clock.cuh's; every point is written in both
+    GEMM phases, and every way a task's epilogue ends writes its last point."""
+    from vllm_megamoe.kernels import phase_clock
+
+    mega = jit.csrc_dir() / "sm90" / "mega"
+    src = (mega / "phase_clock.cuh").read_text()
+    points = re.search(r"enum TaskTracePoint : u32 \{([^}]*)\}", src).group(1)
+    names = [n.strip().split(" ")[0] for n in points.split(",") if n.strip()]
+    assert names[-1] == "kTaskTracePoints" and len(names) - 1 == len(phase_clock.TASK_POINTS)
+    assert len(phase_clock.TASK_INTERVALS) == len(phase_clock.TASK_POINTS)
+    assert f"kTaskTraceTasks = {phase_clock.TASK_TRACE_TASKS};" in src
+    gemm = (mega / "expert_gemm.cuh").read_text()
+    callers = gemm + (mega / "block_ready.cuh").read_text() + (mega.parent / "mega_moe_kernel.cu").read_text()
+    for name in names[:-1]:
+        for phase in ("false", "true"):  # the L1 and L2 phases, or (wait_block) the phase it waits in
+            assert re.search(rf"task_trace_point\(p, ({phase}|phase == kPhaseL1), [^;]+, {name}\)", callers), (phase, name)
+    for span in ("kSpanL1Epilogue", "kSpanL2Epilogue"):
+        ends = gemm.count(f"span_end(p, clock, {span});")
+        done = len(re.findall(rf"task_trace_point\(p, \w+, st.tasks - 1, kTaskDone\);\n\s*span_end\(p, clock, {span}\);", gemm))
+        assert ends == done > 0, span
+
+
+def test_task_trace_intervals():
+    """task_trace: per phase and interval the mean cycles over the traced CTAs and a warpgroup's
+    warps; `between` needs the next task's entry, and untraced phases are left out."""
+    import torch
+
+    from vllm_megamoe.kernels import phase_clock as pc
+    points, warps, tasks = len(pc.TASK_POINTS), pc.WARPS, pc.TASK_TRACE_TASKS
+    steps = torch.tensor([0, 100, 250, 300, 5000, 5040, 5400, 5420], dtype=torch.int64)  # entry .. queued
+    trace = torch.zeros(2, warps, tasks, points, dtype=torch.int64)
+    for w in range(warps):
+        late = 60 if w == 0 else 0           # warp 0 reaches the block barrier 60 cycles after the others
+        first = 10**9 + steps.clone()
+        first[1] += late
+        trace[1, w, 0] = first                # L2 only; L1 left unwritten
+        trace[1, w, 1, 0] = first[-1] + 700   # the next task's entry
+    marks = [10**12 + 1000 * i for i in range(len(pc.MARKS))]
+    row = torch.tensor(marks + [0] * len(pc.SPANS), dtype=torch.int64)
+    traced = torch.cat([row, torch.zeros(pc.TRACE_COLUMNS, dtype=torch.int64), trace.flatten()])
+    clock = torch.stack([traced, traced])
+    assert clock.shape[1] == pc.columns(True)
+    t = pc.summarize(clock)["task_trace"]
+    assert set(t) == {"l2"} and t["l2"]["ctas"] == 2
+    l2 = t["l2"]
+    assert l2["lookup"]["wg0"] == pytest.approx(100 + 60 / 4) and l2["lookup"]["wg1"] == pytest.approx(100)
+    assert l2["block_check"]["max_warp"] == pytest.approx(150) and l2["block_check"]["wg0"] == pytest.approx(150 - 60 / 4)
+    assert l2["block_barrier"]["wg1"] == pytest.approx(50)
+    assert l2["gemm"]["wg1"] == pytest.approx(4700) and l2["epilogue"]["wg0"] == pytest.approx(360)
+    assert l2["slot_write"]["wg0"] == pytest.approx(20) and l2["between"]["wg1"] == pytest.approx(700)
+    one_task = trace.clone()
+    one_task[:, :, 1] = 0                  # no CTA ran a second task: no `between`
+    clock1 = torch.cat([row, torch.zeros(pc.TRACE_COLUMNS, dtype=torch.int64), one_task.flatten()]).unsqueeze(0)
+    assert "between" not in pc.summarize(clock1)["task_trace"]["l2"]
+
+
+@needs_nvrtc
+def test_kernel_probe_compile_only_fills_the_cache_the_op_reads(private_cache):
+    """kernel_probe --compile-only compiles, without a GPU, every build a probe of the same
+    arguments loads (the table's builds of each variant), under the cache keys the op computes
+    for a real buffer of the probe's size; a second run finds them all cached."""
+    from benchmarks import kernel_probe
+    from vllm_megamoe import MoEShape, SymmBuffer
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
+
+    shape_name, tokens = "512x384x24x5", [8, 64]
+    lines = kernel_probe.compile_only([shape_name], "fp8-block", tokens, ["default", "trace=1"], 1)
+    builds = sm90_tuning.choices(MoEShape(512, 384, 24, 5), "fp8-block", 1)
+    assert len(lines) == 2 * len(builds) and all(line.endswith(tuple("0123456789abcdef")) for line in lines)
+    assert all(" compiled " in line for line in lines)
+    cubins = sorted(private_cache.glob("*.cubin"))
+    assert len(cubins) == len(lines)
+    # the op's own spec for a buffer of max(tokens) rows per rank has one of those keys
+    shape = MoEShape(512, 384, 24, 5)
+    buf = SymmBuffer(shape, max(tokens), None, format="fp8-block", backend="local", device="cpu")
+    spec = sm90_mega_moe.kernel_spec(shape, buf, sm90_tuning.choose(shape, "fp8-block", 1, 8))
+    key = jit.cache_key(spec, jit.choose_compiler())
+    assert any(c.name.endswith(f"-{key[:40]}.cubin") for c in cubins)
+    again = kernel_probe.compile_only([shape_name], "fp8-block", tokens, ["default", "trace=1"], 1)
+    assert all(" cached " in line for line in again)
+
+
 def test_chunk_trace_intervals():
     """chunk_trace: per interval, the mean cycles over traced CTAs, chunks and a warpgroup's warps;
     g0's promotion runs from a chunk's last point to the next chunk's start."""
@@ -487,6 +570,8 @@ def test_chunk_trace_intervals():
     row = torch.tensor(marks + [0] * len(pc.SPANS), dtype=torch.int64)
     traced = torch.cat([row, trace.flatten()])
     untraced = torch.cat([row, torch.zeros(pc.TRACE_COLUMNS, dtype=torch.int64)])
+    traced = torch.cat([traced, torch.zeros(pc.TASK_TRACE_COLUMNS, dtype=torch.int64)])
+    untraced = torch.cat([untraced, torch.zeros(pc.TASK_TRACE_COLUMNS, dtype=torch.int64)])
     clock = torch.stack([traced, untraced, traced])
     assert clock.shape[1] == pc.columns(True)
     t = pc.summarize(clock)["chunk_trace"]

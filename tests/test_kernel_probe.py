@@ -111,6 +111,21 @@ def test_table_prints_a_chunk_trace():
     assert "100/200" in line and line.endswith("1234")
 
 
+def test_table_prints_a_task_trace():
+    """Rows of a trace build get one line per traced phase: cycles per interval around a task
+    (warpgroup 0 / 1), '-' where no CTA ran the next task, and the traced CTAs."""
+    names = phase_clock.TASK_INTERVALS
+    l2 = {k: dict(wg0=10.0 + i, wg1=20.0 + i, max_warp=30.0) for i, k in enumerate(names) if k != "between"}
+    l2.update(ctas=7, ctas_between=0)
+    r = dict(shape="qwen3-30b-a3b", format="f", tokens_per_rank=128, variant="trace=1", graph_us=10.0,
+             rel_err_vs_first_variant=0.0, clock_total_us=9.0, ctas=132, phases_us={}, task_trace={"l2": l2})
+    text = kp.table(kp.merge([[dict(r, rank=0)]]))
+    assert "cycles per task" in text
+    line = text.splitlines()[-1]
+    assert line.split()[:4] == ["qwen3-30b", "128", "trace=1:", "l2"]
+    assert "10/20" in line and "14/24" in line and line.split()[-2] == "-" and line.endswith(" 7")
+
+
 def test_versus_puts_the_probe_default_next_to_the_benchmark_paths(tmp_path):
     import json
     probe = {"env": {"commit": "abc"}, "rows": [

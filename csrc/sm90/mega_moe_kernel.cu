@@ -42,7 +42,7 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
     l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock);
-  });
+  }, [&] { task_trace_point(p, false, l1_state.tasks - 1, kTaskQueued); });
   loop_end(p, clock, kSpanL1Loop);
   mark_phase(p, kMarkL1Done);
   // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).
@@ -55,7 +55,7 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
     l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock);
-  });
+  }, [&] { task_trace_point(p, true, l2_state.tasks - 1, kTaskQueued); });
   loop_end(p, clock, kSpanL2Loop);
   if constexpr (kEpilogueWarpgroup) handoff_done(epilogue, l2_state.handoffs, p);
 }

@@ -30,11 +30,23 @@ TRACE_POINTS = ("start", "landed", "g0_issued", "g1_prev_waited", "g1_prev_promo
 TRACE_INTERVALS = ("stage_wait", "issue_g0", "wait_g1_prev", "promote_g1_prev", "cta_barrier", "refill",
                    "issue_g1", "wait_g0", "promote_g0")
 TRACE_COLUMNS = WARPS * TRACE_CHUNKS * len(TRACE_POINTS)
+# Task trace (the same builds; enum TaskTracePoint): clock64 of lane 0 of each MMA warp at
+# TASK_POINTS of the CTA's tasks number TRACE_TASK and TRACE_TASK + 1 of each GEMM phase, as
+# [phase L1 / L2][warp][task][point] after the chunk trace.
+TASK_POINTS = ("entry", "operands", "barrier_arrive", "block_ready", "gemm_done", "epilogue_start", "done",
+               "queued")
+# The interval that ends at each point after the first (block_check: warp 0's is thread 0's checks
+# of the token blocks; block_barrier: the wait at that barrier), then `between`: the first task's
+# `queued` to the second's entry (the task queue's barrier).
+TASK_INTERVALS = ("lookup", "block_check", "block_barrier", "gemm", "tile_wait", "epilogue", "slot_write",
+                  "between")
+TASK_TRACE_TASKS = 2
+TASK_TRACE_COLUMNS = 2 * WARPS * TASK_TRACE_TASKS * len(TASK_POINTS)
 
 
 def columns(trace: bool = False) -> int:
-    """int64 columns per CTA row: marks and spans, plus the chunk trace in trace builds."""
-    return COLUMNS + (TRACE_COLUMNS if trace else 0)
+    """int64 columns per CTA row: marks and spans, plus the chunk and task traces in trace builds."""
+    return COLUMNS + (TRACE_COLUMNS + TASK_TRACE_COLUMNS if trace else 0)
 
 
 def new_clock(grid: int, device: torch.device, trace: bool = False) -> torch.Tensor:
@@ -62,6 +74,9 @@ def summarize(clock: torch.Tensor) -> dict:
         trace = chunk_trace(full)  # the written CTAs' rows, already on the host
         if trace:
             out["chunk_trace"] = trace
+        tasks = task_trace(full)
+        if tasks:
+            out["task_trace"] = tasks
     return out
 
 
@@ -84,6 +99,36 @@ def chunk_trace(clock: torch.Tensor) -> dict:
     for i, name in enumerate(TRACE_INTERVALS):
         out[name] = dict(wg0=float(per_warp[:half, i].mean()), wg1=float(per_warp[half:, i].mean()),
                          max_warp=float(per_warp[:, i].max()))
+    return out
+
+
+def task_trace(clock: torch.Tensor) -> dict:
+    """SM cycles of each interval around a GEMM task (TASK_INTERVALS), per phase (`l1`, `l2`),
+    from the task-trace columns of a trace build's clock: mean over the CTAs whose warps wrote
+    every point of the traced task (`between`: and the next task's entry) of each warpgroup's
+    warps (`wg0`, `wg1`), the largest warp mean (`max_warp`) and `ctas`. The warp that a barrier
+    waits for is the one with the shortest interval ending past it. {} when no CTA traced."""
+    start = COLUMNS + TRACE_COLUMNS
+    t = clock[:, start:start + TASK_TRACE_COLUMNS].to(torch.float64)
+    t = t.reshape(-1, 2, WARPS, TASK_TRACE_TASKS, len(TASK_POINTS))
+    out = {}
+    for p, phase in enumerate(("l1", "l2")):
+        x = t[:, p]                                                  # [cta, warp, task, point]
+        whole = x[(x[:, :, 0] > 0).all(dim=2).all(dim=1)]            # the first task's every point
+        if whole.shape[0] == 0:
+            continue
+        within = whole[:, :, 0, 1:] - whole[:, :, 0, :-1]            # [cta, warp, point - 1]
+        per_warp = within.mean(dim=0)                                # [warp, interval]
+        nxt = whole[(whole[:, :, 1, 0] > 0).all(dim=1)]
+        between = (nxt[:, :, 1, 0] - nxt[:, :, 0, -1]).mean(dim=0) if nxt.shape[0] else None
+        half = WARPS // 2
+        row = {"ctas": int(whole.shape[0]), "ctas_between": int(nxt.shape[0])}
+        for i, name in enumerate(TASK_INTERVALS):
+            v = per_warp[:, i] if name != "between" else between
+            if v is None:
+                continue
+            row[name] = dict(wg0=float(v[:half].mean()), wg1=float(v[half:].mean()), max_warp=float(v.max()))
+        out[phase] = row
     return out
 
 

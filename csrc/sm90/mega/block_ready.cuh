@@ -14,6 +14,7 @@
 #pragma once
 #include "../ptx.cuh"
 #include "params.cuh"
+#include "phase_clock.cuh"
 #include "sync.cuh"
 
 namespace megamoe::mega {
@@ -86,7 +87,7 @@ MEGAMOE_DEVICE bool every_block_ready(const Regions& me, u32 slot, u32 need) {
 // every MMA thread may read the block's rows. `phase`: kPhasePull (an L1 task waiting for its
 // rows) or kPhaseL1 (an L2 task waiting for its block's L1 tiles), for the timeout's report.
 MEGAMOE_DEVICE bool wait_block(const Params& p, const Regions& me, u32 block, u32 need, u32 next_block, u32 next_need,
-                               u32 every_slot, u32 every_need, BlockReadyState& rs, int phase) {
+                               u32 every_slot, u32 every_need, BlockReadyState& rs, int phase, u32 traced_task) {
   if (threadIdx.x == 0) {
     bool next_ready = next_block != ~0u;
     if (!rs.every_ready && !(rs.every_ready = every_block_ready(me, every_slot, every_need))) {
@@ -114,6 +115,7 @@ MEGAMOE_DEVICE bool wait_block(const Params& p, const Regions& me, u32 block, u3
 #endif
     rs.flags[rs.turn] = next_ready;
   }
+  task_trace_point(p, phase == kPhaseL1, traced_task, kTaskBarrierArrive);
   mma_barrier();
   const bool next_ready = rs.flags[rs.turn] != 0;
   rs.turn ^= 1;  // the other flag next time: this one may still be read until that task's barrier
@@ -126,18 +128,18 @@ MEGAMOE_DEVICE u32 block_rows(const ExpertTable& table, u32 block, u32 e) { retu
 // An L1 task of `block` (expert e): wait until its rows are pulled. next_block / next_e: the CTA's
 // next L1 task's, or ~0u.
 MEGAMOE_DEVICE bool wait_pulled_block(const Params& p, const Regions& me, const ExpertTable& table, u32 block, u32 e,
-                                      u32 next_block, u32 next_e, BlockReadyState& rs) {
+                                      u32 next_block, u32 next_e, BlockReadyState& rs, u32 traced_task) {
   return wait_block(p, me, block, block_rows(table, block, e), next_block,
                     next_block == ~0u ? 0 : block_rows(table, next_block, next_e), kSlotPulledWarps, total_warps(), rs,
-                    kPhasePull);
+                    kPhasePull, traced_task);
 }
 
 // An L2 task of `block` (expert e): wait until its rows are pulled and its L1 tiles done.
 MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, const ExpertTable& table, u32 block, u32 e,
-                                  u32 next_block, u32 next_e, BlockReadyState& rs) {
+                                  u32 next_block, u32 next_e, BlockReadyState& rs, u32 traced_task) {
   return wait_block(p, me, block, block_rows(table, block, e) + kL1Tiles, next_block,
                     next_block == ~0u ? 0 : block_rows(table, next_block, next_e) + kL1Tiles, kSlotL1TilesDone,
-                    table.block_start[kNumLocalExperts] * kL1Tiles, rs, kPhaseL1);
+                    table.block_start[kNumLocalExperts] * kL1Tiles, rs, kPhaseL1, traced_task);
 }
 
 // After the combine barrier (every L2 task of this rank is done): zero the counters of the

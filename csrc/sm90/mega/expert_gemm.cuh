@@ -225,10 +225,14 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kHidden, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL1Gemm);
+  task_trace_point(p, false, st.tasks - 1, kTaskGemmDone);
+  if constexpr (!kEpilogueWarpgroup) task_trace_point(p, false, st.tasks - 1, kTaskEpilogueStart);
   if constexpr (kEpilogueWarpgroup) {  // the epilogue warpgroup does the rest (epilogue_warpgroup.cuh)
     handoff_wait_empty(smem, st.handoffs, p, kPhaseL1);
+    task_trace_point(p, false, st.tasks - 1, kTaskEpilogueStart);
     handoff_l1_pairs<kN, kRegTok>(handoff_tile(smem), acc);
     handoff_publish(smem, kHandoffL1, at.block, wt, t, st.handoffs);
+    task_trace_point(p, false, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL1Epilogue);
     span_count(p, clock, kSpanL1Tasks);
     return;
@@ -237,6 +241,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     keep_results_live(acc, me);
     __syncthreads();
     if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+    task_trace_point(p, false, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL1Epilogue);
     span_count(p, clock, kSpanL1Tasks);
     return;
@@ -299,6 +304,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     l1_rows_from_registers(acc, t, wt, quad_weight, quad_inv_scale, me);
     __syncthreads();  // every thread's rows stored before the tile is published
     if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+    task_trace_point(p, false, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL1Epilogue);
     span_count(p, clock, kSpanL1Tasks);
     return;
@@ -386,6 +392,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   release_epilogue_tile();
   __syncthreads();
   if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+  task_trace_point(p, false, st.tasks - 1, kTaskDone);
   span_end(p, clock, kSpanL1Epilogue);
   span_count(p, clock, kSpanL1Tasks);
 }
@@ -399,10 +406,14 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
                             u32 num_tasks, BlockReadyState& pulled, TaskClock& clock) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   span_start(p, clock);
+  const u32 number = st.tasks++;
+  task_trace_point(p, false, number, kTaskEntry);
   const TaskCoord at = task_coord<kTiles>(table, task);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const TaskOperands op = l1_operands(table, p, me, maps, at);
-  const bool next_pulled = wait_pulled_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, pulled);
+  task_trace_point(p, false, number, kTaskOperands);
+  const bool next_pulled = wait_pulled_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, pulled, number);
+  task_trace_point(p, false, number, kTaskBlockReady);
   const bool stream_next = next_task < num_tasks && next_pulled;
   if constexpr (kNarrowTasks) {
     if (op.rows.num_rows <= kNarrowTokens || (kAblate & kAblateNarrow)) {
@@ -491,15 +502,19 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kInter, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL2Gemm);
+  task_trace_point(p, true, st.tasks - 1, kTaskGemmDone);
+  if constexpr (!kEpilogueWarpgroup) task_trace_point(p, true, st.tasks - 1, kTaskEpilogueStart);
   if constexpr ((kAblate & kAblateEpilogue) && !kEpilogueWarpgroup) {  // profiling: no inline epilogue
     keep_results_live(acc, me);
     __syncthreads();  // (the next task refills this task's last stage only after its first CTA barrier)
+    task_trace_point(p, true, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL2Epilogue);
     span_count(p, clock, kSpanL2Tasks);
     return;
   }
   if constexpr (kRegTok && kRegisterTokens128) {
     l2_rows_from_registers(acc, t, ht, p, me);
+    task_trace_point(p, true, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL2Epilogue);
     span_count(p, clock, kSpanL2Tasks);
     return;
@@ -565,6 +580,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   if constexpr (kEpilogueWarpgroup) {  // one pass (64 tokens); the epilogue warpgroup sends the rows
     static_assert(kPassTokens == kN, "the hand-off tile holds the whole task");
     handoff_wait_empty(smem, st.handoffs, p, kPhaseL2);
+    task_trace_point(p, true, st.tasks - 1, kTaskEpilogueStart);
     write_pass(0);
     handoff_publish(smem, kHandoffL2, at.block, ht, t, st.handoffs);
   } else {
@@ -592,6 +608,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
       __syncthreads();
     }
   }
+  task_trace_point(p, true, st.tasks - 1, kTaskDone);
   span_end(p, clock, kSpanL2Epilogue);
   span_count(p, clock, kSpanL2Tasks);
 }
@@ -603,10 +620,14 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
                             u32 num_tasks, BlockReadyState& ready, TaskClock& clock) {
   constexpr u32 kTiles = kHidden / kTileRows;
   span_start(p, clock);
+  const u32 number = st.tasks++;
+  task_trace_point(p, true, number, kTaskEntry);
   const TaskCoord at = task_coord<kTiles>(table, task);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
   const TaskOperands op = l2_operands(table, p, me, maps, at);
-  const bool next_ready = wait_l1_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, ready);
+  task_trace_point(p, true, number, kTaskOperands);
+  const bool next_ready = wait_l1_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, ready, number);
+  task_trace_point(p, true, number, kTaskBlockReady);
   span_end(p, clock, kSpanL2Wait);
   const bool stream_next = next_task < num_tasks && next_ready;
   if constexpr (kNarrowTasks) {

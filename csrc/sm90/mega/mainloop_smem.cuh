@@ -163,6 +163,7 @@ struct MainloopState {
   bool scales_prefetched = false;
   TaskScaleRegs<K / kScaleBlock> next_scales = {};
   u32 handoffs = 0;  // epilogue warpgroup: tiles handed off so far (its mbarriers' phase parity), both phases
+  u32 tasks = 0;     // tasks this CTA began in the phase (the task trace's numbering, phase_clock.cuh)
 };
 
 // Waits for phase `use` of an mbarrier with the call's deadline; past it, reports (kind, rank,

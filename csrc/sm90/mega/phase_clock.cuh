@@ -57,7 +57,21 @@ constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
 #endif
 constexpr u32 kTraceTask = MEGAMOE_TRACE_TASK, kTraceFirstChunk = 8, kTraceChunks = 5, kTracePoints = 9;
 constexpr int kChunkTraceColumns = MEGAMOE_CHUNK_TRACE ? kNumMmaWarps * kTraceChunks * kTracePoints : 0;
-constexpr int kPhaseClockStride = kPhaseClockColumns + kChunkTraceColumns;  // int64 columns per CTA row
+// Task trace (the same builds): lane 0 of every MMA warp writes clock64 at kTaskTracePoints points
+// of its CTA's tasks number kTraceTask and kTraceTask + 1 of each GEMM phase, after the chunk
+// trace, as [phase L1 / L2][warp][task][point]: where the time between two K loops goes (the
+// spans' l*_between and l2_wait are thread 0's view; this shows which warp the barriers wait for).
+// Points: task entry, coordinates and operands known, at wait_block's CTA barrier (warp 0: after
+// thread 0's block checks), token block ready (past that barrier), K loop done, epilogue started
+// (hand-off tile empty, or at once without an epilogue warpgroup), task done, at the task queue's
+// barrier (thread 0 has written the task after next; the next task's entry ends that interval).
+enum TaskTracePoint : u32 {
+  kTaskEntry = 0, kTaskOperands, kTaskBarrierArrive, kTaskBlockReady, kTaskGemmDone, kTaskEpilogueStart, kTaskDone,
+  kTaskQueued, kTaskTracePoints
+};
+constexpr u32 kTaskTraceTasks = 2;
+constexpr int kTaskTraceColumns = MEGAMOE_CHUNK_TRACE ? 2 * kNumMmaWarps * kTaskTraceTasks * kTaskTracePoints : 0;
+constexpr int kPhaseClockStride = kPhaseClockColumns + kChunkTraceColumns + kTaskTraceColumns;  // int64 columns per CTA row
 
 // This warp's trace row for a task: the [chunk][point] clock slots of lane 0 when the build
 // traces and `traced` (the CTA's task number kTraceTask of L1), else nullptr.
@@ -78,6 +92,19 @@ MEGAMOE_DEVICE void trace_point(u64* row, u32 c, u32 point) {
       row[(c - kTraceFirstChunk) * kTracePoints + point] = static_cast<u64>(clock64());
   }
   (void)row, (void)c, (void)point;
+}
+
+// One task-trace point of the CTA's task number `task` of a GEMM phase (l2: the L2 phase), by
+// lane 0 of each MMA warp; nothing outside trace builds or the traced tasks.
+MEGAMOE_DEVICE void task_trace_point(const Params& p, bool l2, u32 task, TaskTracePoint point) {
+  if constexpr (MEGAMOE_CHUNK_TRACE != 0) {
+    const u32 i = task - kTraceTask, warp = threadIdx.x / 32;
+    if (p.phase_clock != nullptr && threadIdx.x % 32 == 0 && warp < kNumMmaWarps && i < kTaskTraceTasks)
+      p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockStride + kPhaseClockColumns + kChunkTraceColumns +
+                    ((static_cast<u32>(l2) * kNumMmaWarps + warp) * kTaskTraceTasks + i) * kTaskTracePoints + point] =
+          static_cast<u64>(clock64());
+  }
+  (void)p, (void)l2, (void)task, (void)point;
 }
 
 MEGAMOE_DEVICE void mark_phase(const Params& p, PhaseMark mark) {

@@ -14,9 +14,10 @@ namespace megamoe::mega {
 
 // Runs run_task(task, next_task) for every task this CTA gets (next_task >= num_tasks: none).
 // `slot`: one shared word. run_task must contain an mma_barrier (every task's K loop does),
-// which orders every thread's read of `slot` before thread 0 rewrites it.
-template <class RunTask>
-MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTask&& run_task) {
+// which orders every thread's read of `slot` before thread 0 rewrites it. queued(): after each
+// task, at the barrier that publishes the task after next (the task trace's point).
+template <class RunTask, class Queued>
+MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTask&& run_task, Queued&& queued) {
   // Tasks [0, gridDim.x) are the CTAs' first ones; the counter hands out the rest (thread 0 asks).
   const auto ask = [&] { return gridDim.x + static_cast<u32>(atomicAdd(counter, 1)); };
   if (threadIdx.x == 0) *slot = ask();
@@ -27,6 +28,7 @@ MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTas
     if (threadIdx.x == 0 && next < num_tasks) after = ask();
     run_task(task, next);
     if (threadIdx.x == 0) *slot = after;
+    queued();
     mma_barrier();
     task = next;
     next = *slot;
