@@ -40,8 +40,8 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   BlockReadyState l1_pulled{l1_pulled_flags, 0, ~0u, false, false};
   MainloopState<kHidden> l1_state{0, false, kPhaseL1};
   loop_start(p, clock);
-  for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next) {
-    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock);
+  for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next, const AskAfter& ask_after) {
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock, ask_after);
   }, [&] { task_trace_point(p, false, l1_state.tasks - 1, kTaskQueued); });
   loop_end(p, clock, kSpanL1Loop);
   mark_phase(p, kMarkL1Done);
@@ -53,8 +53,8 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   l2_state.handoffs = l1_state.handoffs;                           // and so do the epilogue hand-offs
   loop_start(p, clock);
-  for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next) {
-    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock);
+  for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next, const AskAfter& ask_after) {
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock, ask_after);
   }, [&] { task_trace_point(p, true, l2_state.tasks - 1, kTaskQueued); });
   loop_end(p, clock, kSpanL2Loop);
   if constexpr (kEpilogueWarpgroup) handoff_done(epilogue, l2_state.handoffs, p);

@@ -16,6 +16,7 @@
 #include "params.cuh"
 #include "phase_clock.cuh"
 #include "task_order.cuh"
+#include "task_queue.cuh"
 
 namespace megamoe::mega {
 
@@ -225,6 +226,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kHidden, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL1Gemm);
+  if constexpr (!kEpilogueWarpgroup) (*st.ask_after)();  // before this task's stores (task_queue.cuh)
   task_trace_point(p, false, st.tasks - 1, kTaskGemmDone);
   if constexpr (!kEpilogueWarpgroup) task_trace_point(p, false, st.tasks - 1, kTaskEpilogueStart);
   if constexpr (kEpilogueWarpgroup) {  // the epilogue warpgroup does the rest (epilogue_warpgroup.cuh)
@@ -403,7 +405,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 // task's first stages are streamed in during this one only when its block is pulled already.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, BlockReadyState& pulled, TaskClock& clock) {
+                            u32 num_tasks, BlockReadyState& pulled, TaskClock& clock, const AskAfter& ask_after) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   span_start(p, clock);
   const u32 number = st.tasks++;
@@ -414,6 +416,8 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   task_trace_point(p, false, number, kTaskOperands);
   const bool next_pulled = wait_pulled_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, pulled, number);
   task_trace_point(p, false, number, kTaskBlockReady);
+  st.ask_after = &ask_after;  // asked here or after the K loop (task_queue.cuh)
+  if constexpr (kEpilogueWarpgroup) ask_after();
   const bool stream_next = next_task < num_tasks && next_pulled;
   if constexpr (kNarrowTasks) {
     if (op.rows.num_rows <= kNarrowTokens || (kAblate & kAblateNarrow)) {
@@ -502,6 +506,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kInter, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL2Gemm);
+  if constexpr (!kEpilogueWarpgroup) (*st.ask_after)();
   task_trace_point(p, true, st.tasks - 1, kTaskGemmDone);
   if constexpr (!kEpilogueWarpgroup) task_trace_point(p, true, st.tasks - 1, kTaskEpilogueStart);
   if constexpr ((kAblate & kAblateEpilogue) && !kEpilogueWarpgroup) {  // profiling: no inline epilogue
@@ -617,7 +622,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
 // in during this one only when its token block is ready already.
 MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, BlockReadyState& ready, TaskClock& clock) {
+                            u32 num_tasks, BlockReadyState& ready, TaskClock& clock, const AskAfter& ask_after) {
   constexpr u32 kTiles = kHidden / kTileRows;
   span_start(p, clock);
   const u32 number = st.tasks++;
@@ -628,6 +633,8 @@ MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
   task_trace_point(p, true, number, kTaskOperands);
   const bool next_ready = wait_l1_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, ready, number);
   task_trace_point(p, true, number, kTaskBlockReady);
+  st.ask_after = &ask_after;
+  if constexpr (kEpilogueWarpgroup) ask_after();
   span_end(p, clock, kSpanL2Wait);
   const bool stream_next = next_task < num_tasks && next_ready;
   if constexpr (kNarrowTasks) {

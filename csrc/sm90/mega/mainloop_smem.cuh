@@ -21,6 +21,7 @@
 #include "params.cuh"
 #include "phase_clock.cuh"
 #include "sync.cuh"
+#include "task_queue.cuh"
 
 #ifndef MEGAMOE_MAINLOOP_STAGES
 #define MEGAMOE_MAINLOOP_STAGES 4
@@ -164,6 +165,7 @@ struct MainloopState {
   TaskScaleRegs<K / kScaleBlock> next_scales = {};
   u32 handoffs = 0;  // epilogue warpgroup: tiles handed off so far (its mbarriers' phase parity), both phases
   u32 tasks = 0;     // tasks this CTA began in the phase (the task trace's numbering, phase_clock.cuh)
+  const AskAfter* ask_after = nullptr;  // the current task's request for the task after next (task_queue.cuh)
 };
 
 // Waits for phase `use` of an mbarrier with the call's deadline; past it, reports (kind, rank,

@@ -4,15 +4,32 @@
 // then start within a fraction of a task of each other, so the tile comes from HBM once and
 // from L2 for the others; with tasks dealt out grid-strided up front, CTAs drifted apart by
 // whole tasks over a prefill and every token block re-read its weight tile from HBM.
-// A CTA asks for the task after next when it starts a task: the atomic's round trip hides
-// behind a whole task, and the next task is known early enough for the mainloop to stream into it.
+// A CTA asks for the task after next during a task (AskAfter, called by the task), and the next
+// task is known early enough for the mainloop to stream into it. Asked at the task's start, the
+// atomic waited behind the previous task's epilogue stores (combine rows, staging rows) in thread
+// 0's memory pipeline while every MMA warp waited at the task's first barrier for thread 0
+// (docs/kernel_notes.md v28's task trace). So the builds whose MMA warps store their own
+// epilogues ask between the K loop and those stores (the epilogue hides the round trip), and the
+// epilogue-warpgroup builds, whose hand-off is too short for that, once the token block is ready.
 #pragma once
 #include "params.cuh"
 #include "sync.cuh"
 
 namespace megamoe::mega {
 
-// Runs run_task(task, next_task) for every task this CTA gets (next_task >= num_tasks: none).
+// Thread 0 asks the phase's counter for the task after next (when there is a next task) into
+// `after`; every MMA thread of a task calls it once, at the same point of the task.
+struct AskAfter {
+  int* counter;
+  u32 next, num_tasks;
+  u32* after;  // thread 0's
+  MEGAMOE_DEVICE void operator()() const {
+    if (threadIdx.x == 0 && next < num_tasks) *after = gridDim.x + static_cast<u32>(atomicAdd(counter, 1));
+  }
+};
+
+// Runs run_task(task, next_task, ask_after) for every task this CTA gets (next_task >= num_tasks:
+// none); run_task calls ask_after() once (AskAfter).
 // `slot`: one shared word. run_task must contain an mma_barrier (every task's K loop does),
 // which orders every thread's read of `slot` before thread 0 rewrites it. queued(): after each
 // task, at the barrier that publishes the task after next (the task trace's point).
@@ -25,8 +42,7 @@ MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTas
   u32 task = blockIdx.x, next = *slot;
   while (task < num_tasks) {
     u32 after = num_tasks;  // the task after next, only read at the end of this one
-    if (threadIdx.x == 0 && next < num_tasks) after = ask();
-    run_task(task, next);
+    run_task(task, next, AskAfter{counter, next, num_tasks, &after});
     if (threadIdx.x == 0) *slot = after;
     queued();
     mma_barrier();
