@@ -197,24 +197,21 @@ def compile_only(shapes: list[str], fmt: str, tokens_list: list[int], variants: 
     (VLLM_MEGAMOE_CACHE_DIR), without a GPU: the cache keys depend only on the spec, the sources
     and the compiler (NVRTC's version), so a cache filled here and carried to the device saves
     the device its compile time. Returns one line per build."""
+    import types
+
     from vllm_megamoe import BufferLayout
     from vllm_megamoe.kernels import jit, sm90_mega_moe, sm90_tuning
-
-    class _Layout:  # what kernel_spec reads of a SymmBuffer (SymmBuffer's own layout needs a group)
-        def __init__(self, layout):
-            self.layout, self.num_ranks = layout, layout.num_ranks
 
     lines = []
     for name in shapes:
         shape = probe_shape(name)
         for variant in variants:
             with scoped_env(variant_env(variant)):
-                # kernel_probe's buffers hold max(tokens) per rank (_rank_main); its first call of a
-                # shape loads every build of the table (sm90_mega_moe.load_kernel), then each case's
-                buf = _Layout(BufferLayout(shape, world, max(tokens_list), fmt))
-                builds = list(sm90_tuning.choices(shape, fmt, world))
-                builds += [c for c in (sm90_tuning.choose(shape, fmt, world, t) for t in tokens_list) if c not in builds]
-                for choice in builds:
+                # kernel_probe's buffers hold max(tokens) per rank (_rank_main), and its first call of
+                # a shape loads every build `choose` can return (sm90_mega_moe.load_kernel). kernel_spec
+                # reads only a buffer's layout: a SymmBuffer of `world` ranks would need their group.
+                buf = types.SimpleNamespace(layout=BufferLayout(shape, world, max(tokens_list), fmt))
+                for choice in sm90_tuning.choices(shape, fmt, world):
                     compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, buf, choice))
                     lines.append(f"{name} {variant}: {choice.label()} "
                                  f"{'cached' if compiled.from_cache else 'compiled'} {compiled.key[:12]}")
