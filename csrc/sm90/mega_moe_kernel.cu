@@ -39,9 +39,10 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   __shared__ u32 l1_pulled_flags[2];
   BlockReadyState l1_pulled{l1_pulled_flags, 0, ~0u, false, false};
   MainloopState<kHidden> l1_state{0, false, kPhaseL1};
+  KnownCoord l1_known;
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next, const AskAfter& ask_after) {
-    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock, ask_after);
+    l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock, ask_after, l1_known);
   }, [&] { task_trace_point(p, false, l1_state.tasks - 1, kTaskQueued); });
   loop_end(p, clock, kSpanL1Loop);
   mark_phase(p, kMarkL1Done);
@@ -52,9 +53,10 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   BlockReadyState l2_ready{l2_ready_flags, 0, ~0u, false, false};
   MainloopState<kInter> l2_state{l1_state.seq, false, kPhaseL2};  // stage sequence numbers carry on (TMA barrier parity)
   l2_state.handoffs = l1_state.handoffs;                           // and so do the epilogue hand-offs
+  KnownCoord l2_known;
   loop_start(p, clock);
   for_each_task(me.workspace() + kSlotL2TaskCounter, blocks * kL2Tiles, &task_slot, [&](u32 task, u32 next, const AskAfter& ask_after) {
-    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock, ask_after);
+    l2_task(table, epilogue, mainloop, l2_state, p, me, maps, task, next, blocks * kL2Tiles, l2_ready, clock, ask_after, l2_known);
   }, [&] { task_trace_point(p, true, l2_state.tasks - 1, kTaskQueued); });
   loop_end(p, clock, kSpanL2Loop);
   if constexpr (kEpilogueWarpgroup) handoff_done(epilogue, l2_state.handoffs, p);

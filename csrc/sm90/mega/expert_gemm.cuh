@@ -405,13 +405,15 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
 // task's first stages are streamed in during this one only when its block is pulled already.
 MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kHidden>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, BlockReadyState& pulled, TaskClock& clock, const AskAfter& ask_after) {
+                            u32 num_tasks, BlockReadyState& pulled, TaskClock& clock, const AskAfter& ask_after,
+                            KnownCoord& known) {
   constexpr u32 kTiles = 2 * kInter / kTileRows;
   span_start(p, clock);
   const u32 number = st.tasks++;
   task_trace_point(p, false, number, kTaskEntry);
-  const TaskCoord at = task_coord<kTiles>(table, task);
+  const TaskCoord at = task_coord_known<kTiles>(table, task, known);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
+  known = {next_task, next_at};
   const TaskOperands op = l1_operands(table, p, me, maps, at);
   task_trace_point(p, false, number, kTaskOperands);
   const bool next_pulled = wait_pulled_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, pulled, number);
@@ -622,13 +624,15 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
 // in during this one only when its token block is ready already.
 MEGAMOE_DEVICE void l2_task(const ExpertTable& table, EpilogueSmem& smem, MainloopSmem* mainloop, MainloopState<kInter>& st,
                             const Params& p, const Regions& me, const TmaMaps& maps, u32 task, u32 next_task,
-                            u32 num_tasks, BlockReadyState& ready, TaskClock& clock, const AskAfter& ask_after) {
+                            u32 num_tasks, BlockReadyState& ready, TaskClock& clock, const AskAfter& ask_after,
+                            KnownCoord& known) {
   constexpr u32 kTiles = kHidden / kTileRows;
   span_start(p, clock);
   const u32 number = st.tasks++;
   task_trace_point(p, true, number, kTaskEntry);
-  const TaskCoord at = task_coord<kTiles>(table, task);
+  const TaskCoord at = task_coord_known<kTiles>(table, task, known);
   const TaskCoord next_at = next_task < num_tasks ? task_coord<kTiles>(table, next_task) : TaskCoord{~0u, 0, 0};
+  known = {next_task, next_at};
   const TaskOperands op = l2_operands(table, p, me, maps, at);
   task_trace_point(p, true, number, kTaskOperands);
   const bool next_ready = wait_l1_block(p, me, table, at.block, at.expert, next_at.block, next_at.expert, ready, number);

@@ -90,6 +90,16 @@ MEGAMOE_DEVICE void red_add_relaxed_gpu(u32* p, u32 v) {
   asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A counter's old value, +1 (it wraps at 2^31, which no counter reaches). An add of 1, from
+// atomicAdd or from PTX, ptxas turns into a warp-aggregated atomic whose result shuffle follows it
+// at once, so the issuing warp stalled for the whole round trip right there; an inc with a limit
+// is not aggregated, and its result is waited for where it is first used.
+MEGAMOE_DEVICE u32 atom_inc_relaxed_gpu(int* p) {
+  u32 old;
+  asm volatile("atom.relaxed.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(0x7fffffffu) : "memory");
+  return old;
+}
+
 MEGAMOE_DEVICE void red_inc_relaxed_gpu(u32* p, u32 limit) {  // old >= limit: back to 0
   asm volatile("red.relaxed.gpu.global.inc.u32 [%0], %1;" ::"l"(p), "r"(limit) : "memory");
 }

@@ -27,4 +27,16 @@ MEGAMOE_DEVICE TaskCoord task_coord(const ExpertTable& table, u32 task) {
   return {first + i % blocks, i / blocks, e};
 }
 
+// The coordinate of a CTA's next task, looked up by the task before it: one lookup per task
+// instead of two (each is a warp-cooperative search on every MMA warp).
+struct KnownCoord {
+  u32 task = ~0u;
+  TaskCoord at = {};
+};
+
+template <u32 kTiles>
+MEGAMOE_DEVICE TaskCoord task_coord_known(const ExpertTable& table, u32 task, const KnownCoord& known) {
+  return known.task == task ? known.at : task_coord<kTiles>(table, task);  // the same branch in every thread
+}
+
 }  // namespace megamoe::mega

@@ -10,7 +10,9 @@
 // 0's memory pipeline while every MMA warp waited at the task's first barrier for thread 0
 // (docs/kernel_notes.md v28's task trace). So the builds whose MMA warps store their own
 // epilogues ask between the K loop and those stores (the epilogue hides the round trip), and the
-// epilogue-warpgroup builds, whose hand-off is too short for that, once the token block is ready.
+// epilogue-warpgroup builds, whose hand-off is too short for that, once the token block is ready;
+// and the ask does not wait for its answer (atom_inc_relaxed_gpu): thread 0 reads it at the task's
+// end (docs/kernel_notes.md v29).
 #pragma once
 #include "params.cuh"
 #include "sync.cuh"
@@ -18,13 +20,15 @@
 namespace megamoe::mega {
 
 // Thread 0 asks the phase's counter for the task after next (when there is a next task) into
-// `after`; every MMA thread of a task calls it once, at the same point of the task.
+// `after`, as the counter's old value (the task is gridDim.x more; added where it is read, so that
+// the atomic's round trip is waited for only there); every MMA thread of a task calls it once, at
+// the same point of the task.
 struct AskAfter {
   int* counter;
   u32 next, num_tasks;
   u32* after;  // thread 0's
   MEGAMOE_DEVICE void operator()() const {
-    if (threadIdx.x == 0 && next < num_tasks) *after = gridDim.x + static_cast<u32>(atomicAdd(counter, 1));
+    if (threadIdx.x == 0 && next < num_tasks) *after = atom_inc_relaxed_gpu(counter);
   }
 };
 
@@ -41,9 +45,9 @@ MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTas
   mma_barrier();
   u32 task = blockIdx.x, next = *slot;
   while (task < num_tasks) {
-    u32 after = num_tasks;  // the task after next, only read at the end of this one
+    u32 after = num_tasks - gridDim.x;  // the counter's value for the task after next (wraps: none)
     run_task(task, next, AskAfter{counter, next, num_tasks, &after});
-    if (threadIdx.x == 0) *slot = after;
+    if (threadIdx.x == 0) *slot = gridDim.x + after;
     queued();
     mma_barrier();
     task = next;
