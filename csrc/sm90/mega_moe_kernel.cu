@@ -44,6 +44,7 @@ MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue
   for_each_task(me.workspace() + kSlotL1TaskCounter, blocks * kL1Tiles, &task_slot, [&](u32 task, u32 next, const AskAfter& ask_after) {
     l1_task(table, epilogue, mainloop, l1_state, p, me, maps, task, next, blocks * kL1Tiles, l1_pulled, clock, ask_after, l1_known);
   }, [&] { task_trace_point(p, false, l1_state.tasks - 1, kTaskQueued); });
+  if constexpr (!kEpilogueWarpgroup) publish_unpublished(me, l1_state.unpublished);  // the last L1 task's tile, past the queue's barrier
   loop_end(p, clock, kSpanL1Loop);
   mark_phase(p, kMarkL1Done);
   // No grid sync here: each L2 task waits for the L1 tiles of its own token block (block_ready.cuh).

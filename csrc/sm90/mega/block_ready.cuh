@@ -41,6 +41,22 @@ MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) {
   red_add_relaxed_gpu(reinterpret_cast<u32*>(me.workspace()) + kSlotL1TilesDone, 1);
 }
 
+// Builds without an epilogue warpgroup publish an L1 task's tile one task late: after the CTA's
+// next L1 task's K loop (publish_unpublished), or after its last L1 task. Published at the task's
+// end, thread 0's fence waited for the rows just stored (0.4-0.7 us per task at prefill) while
+// every MMA warp waited for thread 0 at the next task's first barrier (docs/kernel_notes.md v29);
+// a K loop later those stores are done, and the publisher is lane 0 of warp 1, whose fence has
+// nothing else in flight to wait for (thread 0's ask is, task_queue.cuh). Late by one task costs
+// the L2 tasks next to nothing: a CTA takes L2 tasks only once the L1 queue is empty, and the L2
+// queue starts with the experts whose L1 tiles were done first (task_order.cuh). Ordering: a CTA
+// barrier (the task queue's, the next task's block check) lies between every thread's stores and
+// the publisher's fence.
+constexpr u32 kLatePublisher = 32;
+MEGAMOE_DEVICE void publish_unpublished(const Regions& me, u32& unpublished) {
+  if (threadIdx.x == kLatePublisher && unpublished != ~0u) publish_l1_tile(me, unpublished);
+  unpublished = ~0u;
+}
+
 // One lane per warp, after a fence over its warp's pulled rows (pull_rows): the warp is done. The
 // CTA's last warp to get here adds all kNumWarps to the phase count, one add per CTA: an add per
 // warp (1056-1584 per call) slowed the task counters' loads beside it. Each warp's fence, then its

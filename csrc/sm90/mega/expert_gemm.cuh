@@ -226,7 +226,10 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
     task_gemm<kHidden, kN>(acc, mainloop, st, op, nullptr, p);
   }
   span_end(p, clock, kSpanL1Gemm);
-  if constexpr (!kEpilogueWarpgroup) (*st.ask_after)();  // before this task's stores (task_queue.cuh)
+  if constexpr (!kEpilogueWarpgroup) {
+    (*st.ask_after)();  // before this task's stores (task_queue.cuh)
+    publish_unpublished(me, st.unpublished);  // the previous task's tile (block_ready.cuh)
+  }
   task_trace_point(p, false, st.tasks - 1, kTaskGemmDone);
   if constexpr (!kEpilogueWarpgroup) task_trace_point(p, false, st.tasks - 1, kTaskEpilogueStart);
   if constexpr (kEpilogueWarpgroup) {  // the epilogue warpgroup does the rest (epilogue_warpgroup.cuh)
@@ -304,8 +307,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   if constexpr (kQuadScales) {  // FP8 128-token builds: the rows straight from the registers
     l1_rows_from_registers(acc, t, wt, quad_weight, quad_inv_scale, me);
-    __syncthreads();  // every thread's rows stored before the tile is published
-    if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+    st.unpublished = at.block;  // published after the next task's K loop (block_ready.cuh)
     task_trace_point(p, false, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL1Epilogue);
     span_count(p, clock, kSpanL1Tasks);
@@ -393,7 +395,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   }
   release_epilogue_tile();
   __syncthreads();
-  if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+  st.unpublished = at.block;  // published after the next task's K loop (block_ready.cuh)
   task_trace_point(p, false, st.tasks - 1, kTaskDone);
   span_end(p, clock, kSpanL1Epilogue);
   span_count(p, clock, kSpanL1Tasks);

@@ -166,6 +166,7 @@ struct MainloopState {
   u32 handoffs = 0;  // epilogue warpgroup: tiles handed off so far (its mbarriers' phase parity), both phases
   u32 tasks = 0;     // tasks this CTA began in the phase (the task trace's numbering, phase_clock.cuh)
   const AskAfter* ask_after = nullptr;  // the current task's request for the task after next (task_queue.cuh)
+  u32 unpublished = ~0u;  // L1, no epilogue warpgroup: the block of the tile stored and not yet published (block_ready.cuh)
 };
 
 // Waits for phase `use` of an mbarrier with the call's deadline; past it, reports (kind, rank,
