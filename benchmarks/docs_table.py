@@ -5,7 +5,8 @@
     python -m benchmarks.docs_table benchmarks/results/bench_ep1.json --section ep1 # another run's table
 
 The table goes between the markers BEGIN and END below in the document (`markers(section)` for a
-named section: `bench-table[ep1]:begin` ...).
+named section: `bench-table[ep1]:begin` ...). Without --section, the section whose table already
+names the results file (the EP1 table for `bench_ep1.json`), else the unnamed one.
 """
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ def sections(text: str) -> dict[str, str]:
     return found
 
 
+def section_for(text: str, display_path: str) -> str:
+    """The section whose table names `display_path` as its source; the unnamed one if none does."""
+    named = [name for name, source in sections(text).items() if source == display_path]
+    return named[0] if named else ""
+
+
 def replace_section(text: str, table: str, section: str = "") -> str:
     head, _, tail = _split(text, section)
     begin, end = markers(section)
@@ -96,22 +103,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results")
     ap.add_argument("--doc", default=DEFAULT_DOC)
-    ap.add_argument("--section", default="", help="a named section of the document (e.g. ep1); default the unnamed one")
+    ap.add_argument("--section", default=None,
+                    help="a named section of the document (e.g. ep1); default: the one whose table names the "
+                         "results file, else the unnamed one")
     ap.add_argument("--check", action="store_true", help="exit 1 when the document is not up to date")
     args = ap.parse_args(argv)
     with open(args.doc) as f:
         text = f.read()
-    new = replace_section(text, render(args.results, os.path.relpath(args.results)), args.section)
+    display = os.path.relpath(args.results)
+    section = args.section if args.section is not None else section_for(text, display)
+    new = replace_section(text, render(args.results, display), section)
     if args.check:
         if new != text:
-            flag = f" --section {args.section}" if args.section else ""
+            flag = f" --section {section}" if section else ""
             print(f"{args.doc} is stale: run python -m benchmarks.docs_table {args.results}{flag}")
             return 1
         print(f"{args.doc} is up to date")
         return 0
     with open(args.doc, "w") as f:
         f.write(new)
-    print(f"wrote the table of {args.results} into {args.doc}")
+    where = f"section {section}" if section else "the unnamed section"
+    print(f"wrote the table of {args.results} into {where} of {args.doc}")
     return 0
 
 

@@ -236,6 +236,24 @@ def test_docs_table_sections_are_separate():
     assert "Source: `x.json`" in out and "Source: `y.json`" not in out and out.count("NEW") == 1
     with pytest.raises(ValueError, match="ep2x"):
         docs_table.replace_section(text, "NEW", "ep2x")
+    # Without --section: the section whose table names the file, else the unnamed one.
+    assert docs_table.section_for(text, "y.json") == "ep1"
+    assert docs_table.section_for(text, "x.json") == ""
+    assert docs_table.section_for(text, "z.json") == ""
+
+
+def test_docs_table_writes_a_named_runs_table_into_its_own_section(tmp_path):
+    from benchmarks import docs_table
+    begin, end = docs_table.markers("ep1")
+    results = os.path.relpath(os.path.join(ROOT, "benchmarks", "results", "bench_ep1.json"))
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"a\n{docs_table.BEGIN}\nSource: `other.json`\n{docs_table.END}\nb\n"
+                   f"{begin}\nSource: `{results}`\n{end}\nc")
+    assert docs_table.main([results, "--doc", str(doc)]) == 0
+    out = doc.read_text()
+    assert "Source: `other.json`" in out  # the unnamed section untouched
+    ep1 = out.split(begin, 1)[1].split(end, 1)[0]
+    assert f"Source: `{results}`: 1 x" in ep1 and "| qwen3-30b-a3b |" in ep1
 
 
 def test_plots_from_json(tmp_path):
