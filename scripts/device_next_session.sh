@@ -49,8 +49,14 @@
 # Usage: STEP=verify bash scripts/device_next_session.sh   (results in $OUT; GPUS=1: the probes at EP1 on one H200)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export VLLM_MEGAMOE_CACHE_DIR=/tmp/megamoe-jit
 OUT="${OUT:-out}"; mkdir -p "$OUT"
+# A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit, filled by
+# `vllm-megamoe precompile tests/gpu/jit_specs.jsonl` and kernel_probe --compile-only); every step
+# records the kernels it loads into $OUT/jit_specs.jsonl: merged into tests/gpu/jit_specs.jsonl,
+# the next session compiles them here before its device calls (how much of the one-GPU tests'
+# 160-210 s is compiling is not measured yet: time them once with the cache filled).
+export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-/tmp/megamoe-jit}"
+export VLLM_MEGAMOE_JIT_RECORD="${VLLM_MEGAMOE_JIT_RECORD:-$OUT/jit_specs.jsonl}"
 T="-q -rs -p no:cacheprovider --tb=short"
 # compute-sanitizer memcheck and racecheck on tests/gpu/sanitize_probe.py, each within $1 s
 sanitize() {

@@ -673,3 +673,73 @@ def test_128_token_tiles_of_a_small_layer(fmt, monkeypatch):
 
     compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(small, _Buf()), "nvrtc")
     assert len(compiled.cubin) > 10_000
+
+
+def test_spec_json_round_trip_and_bad_lines(tmp_path):
+    """spec_to_json / spec_from_json give back the same spec; read_specs keeps the distinct specs in
+    order and names the line of a bad one."""
+    spec = jit.KernelSpec.make("sm90/mega_moe_kernel.cu", "megamoe_sm90_fused", {"A": 3, "B": True},
+                               extra_options=("-lineinfo",), csrc="/some/tree")
+    assert jit.spec_from_json(jit.spec_to_json(spec)) == spec
+    other = jit.KernelSpec.make("sm90/grouped_gemm_kernel.cu", "megamoe_grouped_gemm", {"X": 1})
+    path = tmp_path / "specs.jsonl"
+    path.write_text("\n".join([jit.spec_to_json(spec), "", jit.spec_to_json(other), jit.spec_to_json(spec)]) + "\n")
+    assert jit.read_specs(path) == [spec, other]
+    for bad, why in (("{", "not JSON"), ('{"name": "k"}', "keys source, name"),
+                     ('{"source": "a.cu", "name": "k", "flavour": 1}', "keys source, name"),
+                     ('{"source": "a.cu", "name": "k", "defines": [1]}', "defines")):
+        path.write_text(jit.spec_to_json(spec) + "\n" + bad + "\n")
+        with pytest.raises(ValueError, match=f"line 2: .*{why}"):
+            jit.read_specs(path)
+
+
+@needs_nvrtc
+def test_recorded_specs_precompile_into_the_cache(tmp_path, monkeypatch, capsys):
+    """With VLLM_MEGAMOE_JIT_RECORD set every spec compiled or taken from the cache is recorded once;
+    `vllm-megamoe precompile FILE` compiles the recorded specs into another cache under the keys a
+    later run looks up, and finds them there the second time."""
+    from vllm_megamoe import cli
+    from vllm_megamoe.kernels import sm90_grouped_gemm as g
+
+    record = tmp_path / "run" / "specs.jsonl"
+    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path / "first"))
+    monkeypatch.delenv("VLLM_MEGAMOE_JIT_RECORD", raising=False)
+    a = g.kernel_spec(g.GroupedGemmConfig(block_tokens=8))
+    jit.compile_kernel(a, "nvrtc")
+    assert not record.exists()  # nothing recorded without the variable
+    monkeypatch.setenv("VLLM_MEGAMOE_JIT_RECORD", str(record))
+    b = g.kernel_spec(g.GroupedGemmConfig(block_tokens=16))
+    for spec in (a, b, a):  # a from the cache, b compiled, a again: two lines
+        jit.compile_kernel(spec, "nvrtc")
+    assert jit.read_specs(record) == [a, b] and len(record.read_text().splitlines()) == 2
+    monkeypatch.delenv("VLLM_MEGAMOE_JIT_RECORD")
+    second = tmp_path / "second"
+    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(second))
+    assert cli.main(["precompile", str(record), "--compiler", "nvrtc"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("compiled megamoe_grouped_gemm") == 2 and "2 compiled, 0 already there" in out
+    keys = {jit.cache_key(spec, "nvrtc")[:40] for spec in (a, b)}
+    assert {p.stem.rsplit("-", 1)[1] for p in second.glob("*.cubin")} == keys
+    assert cli.main(["precompile", str(record), "--compiler", "nvrtc"]) == 0
+    assert "0 compiled, 2 already there" in capsys.readouterr().out
+
+
+def test_precompile_reports_bad_input(tmp_path, capsys):
+    from vllm_megamoe import cli
+    assert cli.main(["precompile", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    assert cli.main(["precompile", str(bad)]) == 2
+    assert "bad.jsonl, line 1" in capsys.readouterr().err
+
+
+def test_specs_of_another_source_tree_are_not_recorded(tmp_path, monkeypatch):
+    """A spec that names its own source tree (an A/B's second tree) holds a path of this machine:
+    the record leaves it out."""
+    record = tmp_path / "specs.jsonl"
+    monkeypatch.setenv("VLLM_MEGAMOE_JIT_RECORD", str(record))
+    jit._record(jit.KernelSpec.make("sm90/mega_moe_kernel.cu", "k", {"A": 1}, csrc=str(tmp_path)))
+    assert not record.exists()
+    jit._record(jit.KernelSpec.make("sm90/mega_moe_kernel.cu", "k", {"A": 1}))
+    assert len(record.read_text().splitlines()) == 1

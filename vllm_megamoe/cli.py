@@ -1,4 +1,4 @@
-"""The `vllm-megamoe` command: doctor, demo, convert / inspect / verify, bench."""
+"""The `vllm-megamoe` command: doctor, demo, convert / inspect / verify, bench, precompile."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,29 @@ def _doctor(args) -> int:
 def _demo(args) -> int:
     from . import demo
     return demo.run(ranks=args.ranks, tokens=args.tokens, fmt=args.format)
+
+
+def _precompile(args) -> int:
+    import time
+
+    from .kernels import jit
+    try:
+        specs = list(dict.fromkeys(spec for path in args.files for spec in jit.read_specs(path)))
+    except (OSError, ValueError) as exc:
+        print(f"vllm-megamoe precompile: {exc}", file=sys.stderr)
+        return 2
+    compiled = cached = 0
+    start = time.monotonic()
+    try:
+        for i, kernel in enumerate(jit.precompile(specs, args.compiler), 1):
+            compiled, cached = compiled + (not kernel.from_cache), cached + kernel.from_cache
+            print(f"[{i}/{len(specs)}] {'cached  ' if kernel.from_cache else 'compiled'} {kernel.spec.name} "
+                  f"{kernel.key[:12]} ({time.monotonic() - start:.0f} s)", flush=True)
+    except (jit.KernelCompileError, FileNotFoundError, ImportError) as exc:
+        print(f"vllm-megamoe precompile: {exc}", file=sys.stderr)
+        return 1
+    print(f"{len(specs)} kernels in {jit.cache_dir()}: {compiled} compiled, {cached} already there")
+    return 0
 
 
 def _bench(args) -> int:
@@ -49,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(`vllm-megamoe bench --help` for its options)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
+    p = sub.add_parser("precompile",
+                       help="compile the kernels a run recorded (VLLM_MEGAMOE_JIT_RECORD=FILE) into the JIT cache "
+                       "(VLLM_MEGAMOE_CACHE_DIR); needs no GPU")
+    p.add_argument("files", nargs="+", metavar="FILE", help="VLLM_MEGAMOE_JIT_RECORD files (JSON lines)")
+    p.add_argument("--compiler", choices=("nvrtc", "nvcc"), default=None,
+                   help="default: VLLM_MEGAMOE_JIT_COMPILER's choice (NVRTC when it loads)")
+    p.set_defaults(func=_precompile)
     return parser
 
 

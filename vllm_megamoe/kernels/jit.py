@@ -10,6 +10,11 @@ Environment:
   VLLM_MEGAMOE_CSRC_DIR      where the CUDA sources live (default: the package's csrc)
   VLLM_MEGAMOE_NVCC          nvcc executable (default: nvcc on PATH, then $CUDA_HOME/bin/nvcc)
   VLLM_MEGAMOE_JIT_LINEINFO  1 to compile with -lineinfo (for profilers)
+  VLLM_MEGAMOE_JIT_RECORD    a file to which every kernel spec compiled or taken from the cache
+                             is appended (one JSON line per spec and process; not those of a
+                             VLLM_MEGAMOE_CSRC_DIR tree): `vllm-megamoe precompile FILE` compiles
+                             them elsewhere, without a GPU, into VLLM_MEGAMOE_CACHE_DIR (e.g.
+                             when building a serving image)
 
 cuda-python is imported lazily: importing this module needs neither it nor a GPU.
 """
@@ -20,13 +25,14 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from ..env_flags import env_flag
 
@@ -207,6 +213,72 @@ class KernelSpec:
         return KernelSpec(source=source, name=name, defines=items, **kwargs)
 
 
+def spec_to_json(spec: KernelSpec) -> str:
+    """One line of JSON that spec_from_json turns back into `spec`."""
+    fields = dataclasses.asdict(spec)
+    fields["defines"] = [list(pair) for pair in spec.defines]
+    fields["extra_options"] = list(spec.extra_options)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+def spec_from_json(text: str) -> KernelSpec:
+    """The spec of a spec_to_json line; a ValueError names what is wrong with it."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    names = {f.name for f in dataclasses.fields(KernelSpec)}
+    if not isinstance(fields, dict) or not {"source", "name"} <= set(fields) or not set(fields) <= names:
+        raise ValueError(f"a kernel spec has the keys source, name and any of {sorted(names - {'source', 'name'})}")
+    try:
+        defines = tuple((str(k), str(v)) for k, v in fields.get("defines", ()))
+    except (TypeError, ValueError):
+        raise ValueError("defines must be a list of [name, value] pairs") from None
+    return KernelSpec(source=str(fields["source"]), name=str(fields["name"]), defines=defines,
+                      arch=str(fields.get("arch", "sm_90a")),
+                      extra_options=tuple(str(o) for o in fields.get("extra_options", ())),
+                      csrc=str(fields.get("csrc", "")))
+
+
+def read_specs(path: str | os.PathLike) -> list[KernelSpec]:
+    """The distinct specs of a VLLM_MEGAMOE_JIT_RECORD file, in first-seen order (blank lines skipped)."""
+    specs: dict[KernelSpec, None] = {}
+    with open(path) as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                specs.setdefault(spec_from_json(line), None)
+            except ValueError as exc:
+                raise ValueError(f"{path}, line {number}: {exc}") from None
+    return list(specs)
+
+
+_recorded: set[tuple[str, str]] = set()
+_record_lock = threading.Lock()
+
+
+def _record(spec: KernelSpec) -> None:
+    """Appends `spec` to the VLLM_MEGAMOE_JIT_RECORD file, once per process. One write per line,
+    opened for appending: the ranks of a run record into one file without interleaving lines.
+    Specs of another source tree (VLLM_MEGAMOE_CSRC_DIR, an A/B's second tree) are left out: the
+    tree is a path of this machine."""
+    path = os.environ.get("VLLM_MEGAMOE_JIT_RECORD")
+    if not path or spec.csrc:
+        return
+    line = spec_to_json(spec)
+    with _record_lock:
+        if (path, line) in _recorded:
+            return
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+        _recorded.add((path, line))
+
+
 def spec_root(spec: KernelSpec) -> pathlib.Path:
     """The source tree `spec` compiles from: its own `csrc`, or csrc_dir()."""
     if not spec.csrc:
@@ -336,6 +408,7 @@ _compile_lock = threading.Lock()
 
 def compile_kernel(spec: KernelSpec, compiler: str | None = None, *, use_cache: bool = True) -> CompiledKernel:
     """Compiles `spec` (or takes it from the disk cache). Needs no GPU."""
+    _record(spec)
     compiler = compiler or choose_compiler()
     root = spec_root(spec)
     key = cache_key(spec, compiler, root)
@@ -350,6 +423,15 @@ def compile_kernel(spec: KernelSpec, compiler: str | None = None, *, use_cache: 
         _atomic_write(log_path, log.encode())
         _atomic_write(path, cubin)
     return CompiledKernel(spec, cubin, log, key, compiler, from_cache=False)
+
+
+def precompile(specs: Iterable[KernelSpec], compiler: str | None = None) -> Iterator[CompiledKernel]:
+    """Compiles each spec into the disk cache (or finds it there), yielding as it goes. Needs no
+    GPU: the keys depend on the sources, the spec and the compiler's version only, so a cache
+    filled on a build machine serves a GPU machine with the same sources and compiler."""
+    compiler = compiler or choose_compiler()
+    for spec in specs:
+        yield compile_kernel(spec, compiler)
 
 
 # ----------------------------------------------------------------------------- loading and launching

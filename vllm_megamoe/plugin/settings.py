@@ -117,6 +117,9 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("nvcc", _text, None, "nvcc binary for the JIT (default: nvcc on PATH, else "
         "$CUDA_HOME / $CUDA_PATH / /usr/local/cuda bin/nvcc).", core_env=True),
     Key("jit_lineinfo", _flag, "0", "Compile kernels with line info (profiling).", core_env=True),
+    Key("jit_record", _text, None, "A file to which every kernel the run compiles or takes from the "
+        "cache is appended (one JSON line each): `vllm-megamoe precompile FILE` compiles them into "
+        "the cache elsewhere, without a GPU.", core_env=True),
     Key("num_sms", _positive_int, None,
         "CTAs of the SM90 kernel's persistent grid (default: every SM); lower it when other "
         "kernels (e.g. NCCL) keep SMs busy.", core_env=True),
