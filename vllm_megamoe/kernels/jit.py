@@ -230,14 +230,13 @@ def spec_from_json(text: str) -> KernelSpec:
     names = {f.name for f in dataclasses.fields(KernelSpec)}
     if not isinstance(fields, dict) or not {"source", "name"} <= set(fields) or not set(fields) <= names:
         raise ValueError(f"a kernel spec has the keys source, name and any of {sorted(names - {'source', 'name'})}")
+    kwargs = {k: str(v) for k, v in fields.items() if k not in ("defines", "extra_options")}
     try:
-        defines = tuple((str(k), str(v)) for k, v in fields.get("defines", ()))
+        kwargs["defines"] = tuple((str(k), str(v)) for k, v in fields.get("defines", ()))
     except (TypeError, ValueError):
         raise ValueError("defines must be a list of [name, value] pairs") from None
-    return KernelSpec(source=str(fields["source"]), name=str(fields["name"]), defines=defines,
-                      arch=str(fields.get("arch", "sm_90a")),
-                      extra_options=tuple(str(o) for o in fields.get("extra_options", ())),
-                      csrc=str(fields.get("csrc", "")))
+    kwargs["extra_options"] = tuple(str(o) for o in fields.get("extra_options", ()))
+    return KernelSpec(**kwargs)  # absent fields take KernelSpec's defaults
 
 
 def read_specs(path: str | os.PathLike) -> list[KernelSpec]:
