@@ -50,9 +50,13 @@ MEGAMOE_DEVICE u32 a_fragment_lane_row() {
   const u32 lane = threadIdx.x % 32, matrix = lane / 8;
   return 16 * (threadIdx.x / 32 % 4) + (matrix % 2) * 8 + lane % 8;
 }
-MEGAMOE_DEVICE u32 a_fragment_lane_address_fp8_sw128(u32 tile_smem_address, u32 kk) {
-  const u32 row = a_fragment_lane_row(), segment = 2 * kk + (threadIdx.x % 32) / 16;
+// The lane's ldmatrix address when its fragment row a_fragment_lane_row() is read from tile row `row`.
+MEGAMOE_DEVICE u32 a_fragment_row_address_fp8_sw128(u32 tile_smem_address, u32 row, u32 kk) {
+  const u32 segment = 2 * kk + (threadIdx.x % 32) / 16;
   return tile_smem_address + row * 128 + ((segment ^ (row % 8)) * 16);
+}
+MEGAMOE_DEVICE u32 a_fragment_lane_address_fp8_sw128(u32 tile_smem_address, u32 kk) {
+  return a_fragment_row_address_fp8_sw128(tile_smem_address, a_fragment_lane_row(), kk);
 }
 
 // The A operand of an FP8 m64nNk32 wgmma from registers, for k-step kk (bytes 32 kk .. 32 kk + 31

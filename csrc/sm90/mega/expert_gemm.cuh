@@ -558,20 +558,19 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     if constexpr (kRegTok) {
       // out[mt][nt][token row lo / hi]: n8 block f = mt kNTiles + nt of the flattened groups (group
       // f / 8, block f % 8), channels register_tokens_row(f / 8, 4 (f % 8)) and + 1. 128-token
-      // tiles: pass p holds warpgroup p's tokens.
-      if (!kRegisterTokens128 || threadIdx.x / 128 == pass) {
+      // tiles: pass p holds tokens 64 p .. 64 p + 63, of both warpgroups.
 #pragma unroll
-        for (u32 mt = 0; mt < 2; ++mt)
+      for (u32 mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (u32 nt = 0; nt < kNTiles; ++nt)
+        for (u32 nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-              const u32 f = mt * kNTiles + nt;  // (64-token tiles: group mt, block nt, written so)
-              const u32 row = kRegisterTokens128 ? register_tokens_row(f / 8, 4 * (f % 8)) : register_tokens_row(mt, 4 * nt);
-              *reinterpret_cast<u32*>(tile + epilogue_offset(register_tokens_token(2 * h) - pass * kPassTokens, row * 2,
-                                                             kTileRows * 2)) = out[mt][nt][h];
-            }
-      }
+          for (u32 h = 0; h < 2; ++h) {
+            const u32 tok = register_tokens_token(2 * h);
+            if (kRegisterTokens128 && tok / kPassTokens != pass) continue;
+            const u32 f = mt * kNTiles + nt;  // (64-token tiles: group mt, block nt, written so)
+            const u32 row = kRegisterTokens128 ? register_tokens_row(f / 8, 4 * (f % 8)) : register_tokens_row(mt, 4 * nt);
+            *reinterpret_cast<u32*>(tile + epilogue_offset(tok - pass * kPassTokens, row * 2, kTileRows * 2)) = out[mt][nt][h];
+          }
     } else {
       // out[mt][nt][h]: matrix (mt, h) of n8 tile nt is 8 channels (acc_row_base + 8 h + g) x 8
       // tokens, thread (g, t4) holding tokens 2 t4 and + 1: one transposed stmatrix writes 8

@@ -12,8 +12,9 @@
 // Accumulator map, 64-token tiles (group g of warpgroup w, thread lane l of warp q in the
 // warpgroup): element i of the m64n64 fragment is token 16 q + l / 4 + 8 ((i / 2) % 2) and weight
 // row 128 w + 64 g + 8 (i / 4) + 2 (l % 4) + i % 2 of the tile (accum_row / accum_col in
-// wgmma.cuh, with M = tokens). 128-token tiles: warpgroup w takes tokens 64 w .. 64 w + 63 and all
-// 256 weight rows as four groups: token 64 w + 16 q + .., row 64 g + ... Group g's 32 floats are
+// wgmma.cuh, with M = tokens). 128-token tiles: warpgroup w takes the tokens of alternate 8-row
+// groups, M row m being token 16 (m / 8) + 8 w + m % 8 (register_tokens_tile_row), and all 256
+// weight rows as four groups: row 64 g + ... Group g's 32 floats are
 // WarpAcc's flattened floats 32 g .. 32 g + 31 (the swap-AB fragments' registers, another meaning):
 // register_tokens_token / _row / rt_group below say which.
 #pragma once
@@ -28,10 +29,19 @@ constexpr u32 kRegisterTokensGroupRows = 64;  // weight rows (the wgmma N) per g
 constexpr bool kRegisterTokens128 = kRegisterTokens && kTileTokens == 128;
 constexpr u32 kRtGroups = kRegisterTokens128 ? 4 : 2;  // 64-row groups per warpgroup
 
+// The token (tile row) of M row m of the calling thread's warpgroup. 128-token tiles: the two
+// warpgroups take alternate 8-row groups, so a block whose rows fill only the tile's first half
+// (~64 rows per expert, where the padding model starts to pick 128-token tiles) still splits them,
+// and the epilogue's stores, between both; with warpgroup w on rows 64 w .. 64 w + 63, warpgroup
+// 0 stored all of such a block's L2 rows while warpgroup 1 waited (docs/kernel_notes.md v29). An
+// 8-row group is one swizzle atom: ldmatrix's 8 rows per matrix stay contiguous.
+MEGAMOE_DEVICE u32 register_tokens_tile_row(u32 m) {
+  return kRegisterTokens128 ? 16 * (m / 8) + 8 * (threadIdx.x / 128) + m % 8 : m;
+}
+
 // Element i of group g's fragment: its token (0..kTileTokens - 1) and weight row (0..255) in the CTA tile.
 MEGAMOE_DEVICE u32 register_tokens_token(u32 i) {
-  const u32 base = kRegisterTokens128 ? 64 * (threadIdx.x / 128) : 0;
-  return base + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4 + 8 * ((i / 2) % 2);
+  return register_tokens_tile_row(16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4 + 8 * ((i / 2) % 2));
 }
 MEGAMOE_DEVICE u32 register_tokens_row(u32 g, u32 i) {
   const u32 base = kRegisterTokens128 ? 0 : 128 * (threadIdx.x / 128);
@@ -58,14 +68,13 @@ struct TokenFragment {
 // zero operands raise (kernel_notes v26). A select on each address, before the loads, so the
 // fragment goes from ldmatrix to the wgmma as before.
 MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage, u32 rows) {
-  // 128-token tiles: warpgroup w's 64 rows (8 KB further: whole swizzle atoms)
-  const u32 first = kRegisterTokens128 ? (threadIdx.x / 128) * 64 : 0;
-  const u32 tile = smem_addr(sm.b[stage]) + first * kStagedRow;
-  const bool padding = !(kAblate & kAblateKeepPadding) && first + a_fragment_lane_row() >= rows;
+  const u32 tile = smem_addr(sm.b[stage]);
+  const u32 row = register_tokens_tile_row(a_fragment_lane_row());  // 128-token tiles: the warpgroup's 8-row groups
+  const bool padding = !(kAblate & kAblateKeepPadding) && row >= rows;
   const u32 zeros = smem_addr(token_zero_line);
 #pragma unroll
   for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
-    ldmatrix_x4(a.r[kk], padding ? zeros : a_fragment_lane_address_fp8_sw128(tile, kk));
+    ldmatrix_x4(a.r[kk], padding ? zeros : a_fragment_row_address_fp8_sw128(tile, row, kk));
 }
 
 // Group g (weight rows register_tokens_row(g, 0) ..) of a staged chunk into `part` (overwritten), committed.
@@ -200,10 +209,10 @@ struct RegisterTokenScales128 {
 };
 
 MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb) {
-  const u32 warp = threadIdx.x / 32, tok = register_tokens_token(0);
+  const u32 warp = threadIdx.x / 32;
   s.w[0] = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), s.w[1] = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
-  s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok)]);
-  s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok + 8)]);
+  s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(0))]);  // token row lo
+  s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(2))]);  // hi
 }
 
 // The K loop of one 128-token task: each warpgroup its own 64 tokens x the 256 weight rows in four
