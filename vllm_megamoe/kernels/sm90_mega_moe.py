@@ -93,7 +93,7 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
 
 
 # Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|
-# keep_padding
+# keep_padding|stores|transpose
 # ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
 # staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
@@ -102,11 +102,13 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
 # 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; epilogue:
 # the epilogue warpgroup takes each hand-off and computes and stores nothing, builds without one skip
 # their epilogues; keep_padding: the FP8 register-token loops compute the token box's padding rows on
-# the bytes it read instead of zeros (outputs right, the A/B of the zeroing); MEGAMOE_ABLATE,
+# the bytes it read instead of zeros (outputs right, the A/B of the zeroing); stores / transpose: the
+# FP8 128-token epilogues that store from the registers compute every value but store no row / store
+# without their quad transposes (what the stores and the shuffles cost); MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong (but with keep_padding alone); the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
-             "half_rows": 128, "epilogue": 256, "keep_padding": 512}
+             "half_rows": 128, "epilogue": 256, "keep_padding": 512, "stores": 1024, "transpose": 2048}
 ABLATIONS_WITH_RIGHT_OUTPUTS = ABLATIONS["keep_padding"]
 
 

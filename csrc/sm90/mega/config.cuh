@@ -116,6 +116,8 @@ constexpr u32 kAblateHalfRows = 128; // FP8: each warpgroup's second m64 wgmma g
 constexpr u32 kAblateEpilogue = 256; // epilogue warpgroup: the hand-off runs, the rows are neither computed nor stored;
                                      // inline epilogues (128-token builds): skipped, the L1 tile published unwritten
 constexpr u32 kAblateKeepPadding = 512;  // FP8 register-token loops: padding token rows keep the bytes the box read
+constexpr u32 kAblateStores = 1024;     // FP8 128-token epilogues from the registers: every value computed, no row stored
+constexpr u32 kAblateTranspose = 2048;  // FP8 128-token epilogues from the registers: stored without the quad transposes
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;
