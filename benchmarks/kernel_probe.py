@@ -7,7 +7,8 @@ For every shape, tokens per rank and variant (an environment override of the ker
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
 `tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|keep_padding|stores|transpose`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
-times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace and the task trace), `csrc=DIR` ->
+times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace and the task trace), `evict_first=1|0|auto`
+-> VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST (the weight copies' L2 policy), `csrc=DIR` ->
 VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a commit's `csrc/` from `git archive`); several
 joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
@@ -52,6 +53,9 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
          # 0: the 32- and 64-token TMA builds without their epilogue warpgroup (epilogue_warpgroup.cuh); a
          # csrc= tree from before it must run with 0 (its kernel has 256 threads)
          "epilogue_wg": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP",
+         # 1 / 0: the TMA builds' weight copies with an L2 evict-first policy or without (default auto,
+         # sm90_tuning.weights_evict_first)
+         "evict_first": "VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST",
          # another source tree (a csrc/ directory, e.g. `git archive <commit> csrc` unpacked): its
          # build next to this tree's in the same process, same inputs (an A/B of two commits)
          "csrc": "VLLM_MEGAMOE_CSRC_DIR"}

@@ -643,6 +643,85 @@ def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
         sm90_smem.has_epilogue_warpgroup("tma", 64)
 
 
+@pytest.mark.parametrize("env,mainloop,tile,on", [(None, "tma", 32, True), (None, "tma", 64, False), (None, "tma", 128, False),
+                                                   ("auto", "tma", 32, True), ("1", "tma", 128, True), ("yes", "tma", 64, True),
+                                                   ("0", "tma", 32, False), ("1", "wgmma", 32, False)])
+def test_weights_evict_first_builds(monkeypatch, env, mainloop, tile, on):
+    """The TMA builds compile the weight copies' L2 evict-first policy in where VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST
+    says (auto: the 32-token builds), and a call uses it where the setting says (auto: at most
+    EVICT_FIRST_MAX_TOKENS tokens on the rank); a changed setting is another build; a bad value
+    names the variable."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
+    from vllm_megamoe.kernels.sm90_tuning import Choice
+
+    if env is not None:
+        monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", env)
+    shape = MoEShape(2048, 768, 128, 8)
+
+    class _Buf:
+        layout = BufferLayout(shape, 2, 4096, "fp8-block")
+
+    buf = _Buf()
+    spec = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
+    assert ("MEGAMOE_WEIGHTS_EVICT_FIRST" in dict(spec.defines)) == on
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", "0" if on else "1")
+    other = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
+    assert (other != spec) == (mainloop == "tma")
+    big = MoEShape(7168, 2048, 256, 8)  # 11 GB of FP8 expert weights on one rank, 5.5 GB on each of two
+    limits = {(shape, "fp8-block", 1): 128, (shape, "bf16", 2): 128, (big, "fp8-block", 1): 16, (big, "fp8-block", 2): 16}
+    for setting in (env, "0" if on else "1"):
+        if setting is None:
+            monkeypatch.delenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", setting)
+        for (layer, fmt, ranks), limit in limits.items():
+            assert sm90_tuning.evict_first_max_tokens(layer, fmt, ranks) == limit
+            calls = [sm90_tuning.weights_evict_first_call(n, layer, fmt, ranks) for n in (1, limit, limit + 1)]
+            if setting in (None, "auto"):
+                assert calls == [True, True, False]
+            else:
+                assert calls == [setting in ("1", "yes")] * 3
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", "first")
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST"):
+        sm90_tuning.weights_evict_first_build("tma", 32)
+    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST"):
+        sm90_tuning.weights_evict_first_call(8, shape, "fp8-block", 1)
+
+
+@needs_nvrtc
+def test_weights_evict_first_reaches_the_copies(private_cache, monkeypatch, tmp_path):
+    """A build with the policy compiled in has 3-D (weight box) TMA copies with a cache policy operand
+    in the SASS (`UTMALDG.3D ..., desc[URn]`, taken in the calls that ask for it) beside plain
+    ones; a build without it has none."""
+    import subprocess
+
+    from benchmarks.sass_census import find_nvdisasm
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+    from vllm_megamoe.kernels.sm90_tuning import Choice
+
+    try:
+        nvdisasm = find_nvdisasm()
+    except SystemExit:
+        pytest.skip("nvdisasm not found")
+    shape = MoEShape(2048, 768, 128, 8)
+
+    class _Buf:
+        layout = BufferLayout(shape, 1, 4096, "fp8-block")
+
+    copies = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", env)
+        cubin = tmp_path / f"evict_{env}.cubin"
+        cubin.write_bytes(jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buf(), Choice("tma", 4, 32)), "nvrtc").cubin)
+        sass = subprocess.run([nvdisasm, str(cubin)], capture_output=True, text=True, check=True).stdout
+        loads = [line for line in sass.splitlines() if "UTMALDG.3D" in line]
+        copies[env] = (len(loads), sum("desc[" in line for line in loads))
+    assert 0 < copies["1"][1] < copies["1"][0], copies
+    assert copies["0"][0] > 0 and copies["0"][1] == 0, copies
+
+
 def test_params_mirror_matches_the_kernel_struct():
     """sm90_mega_moe._Params lists the fields of megamoe::mega::Params in the same order."""
     from vllm_megamoe.kernels import sm90_mega_moe

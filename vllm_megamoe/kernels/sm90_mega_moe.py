@@ -52,7 +52,7 @@ class _Params(ctypes.Structure):
                 ("phase_clock", ctypes.c_void_p),
                 ("peers", ctypes.c_void_p * MAX_RANKS), ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("has_clamp", ctypes.c_int),
-                ("clamp", ctypes.c_float), ("topk_idx_int64", ctypes.c_int)]
+                ("clamp", ctypes.c_float), ("topk_idx_int64", ctypes.c_int), ("weights_evict_first", ctypes.c_int)]
 
 
 def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
@@ -85,7 +85,7 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build (the raw value keys the cache,
     # so the per-call lookup resolves no path); so is a build without its epilogue warpgroup
     key = (shape, choice, ablate, trace, trace_task, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"),
-           has_epilogue_warpgroup(choice.mainloop, choice.tile))
+           has_epilogue_warpgroup(choice.mainloop, choice.tile), sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile))
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
         cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, jit.csrc_override())
@@ -167,6 +167,8 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
         defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
     if has_epilogue_warpgroup(choice.mainloop, choice.tile):
         defines.update(MEGAMOE_EPILOGUE_WARPGROUP=1)
+    if sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile):
+        defines.update(MEGAMOE_WEIGHTS_EVICT_FIRST=1)
     if ablate:
         logger.warning("VLLM_MEGAMOE_SM90_ABLATE=%s: profiling build, %s", os.environ.get("VLLM_MEGAMOE_SM90_ABLATE"),
                        "its outputs are right (an A/B build)" if not ablate & ~ABLATIONS_WITH_RIGHT_OUTPUTS
@@ -302,6 +304,8 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.timeout_ns = int(buffer.timeout_s * 1e9)
     params.num_tokens, params.rank = t, buffer.rank
     params.topk_idx_int64 = int(idx.dtype == torch.int64)
+    params.weights_evict_first = int(dict(spec.defines).get("MEGAMOE_WEIGHTS_EVICT_FIRST") == "1"
+                                     and sm90_tuning.weights_evict_first_call(t, shape, buffer.layout.format, buffer.num_ranks))
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
     maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop in TMA_MAINLOOPS else [_NO_MAP] * 4

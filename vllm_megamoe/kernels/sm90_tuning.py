@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..env_flags import parse_flag
 from ..shape import MoEShape, require
 from .sm90_smem import TMA_MAINLOOPS, WGMMA_MAINLOOPS, fits
 
@@ -129,6 +130,57 @@ def env_overrides() -> dict:
                 f"VLLM_MEGAMOE_SM90_TOKEN_TILE={out['tile']} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma "
                 f"(it is {mainloop!r})")
     return out
+
+
+# -- the weight copies' L2 cache policy ----------------------------------------------------------
+WEIGHTS_EVICT_FIRST_ENV = "VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST"
+EVICT_FIRST_TILES = (32,)  # auto: the builds that serve a few tokens per rank compile the policy in
+# auto: the calls that use it, by tokens per rank: up to 128 in layers of at most 2 GiB of expert
+# weights per rank, up to 16 in larger ones (one H200, FP8 / BF16, docs/kernel_notes.md v30: Qwen3-like
+# 0.97-0.99x at 1-128 tokens; V4-Flash- and DeepSeek-V3-like 0.97-1.00x at 1-16, from 32 tokens on
+# DeepSeek-V3-like 1.01-1.015x; all three slower from 256 on).
+EVICT_FIRST_SMALL_LAYER_BYTES = 2 << 30
+EVICT_FIRST_MAX_TOKENS_SMALL_LAYER = 128
+EVICT_FIRST_MAX_TOKENS = 16
+
+
+@functools.lru_cache(maxsize=None)  # once per setting: the op asks on every call
+def _evict_first_setting(raw: str) -> Optional[bool]:
+    if raw.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return parse_flag(raw)
+    except ValueError:
+        raise ValueError(f"{WEIGHTS_EVICT_FIRST_ENV}={raw!r} must be auto or a boolean (1/0, true/false, yes/no, "
+                         "on/off)") from None
+
+
+def weights_evict_first_build(mainloop: str, tile: int) -> bool:
+    """Whether the build can copy its weight boxes with an L2 evict-first policy (tma builds;
+    csrc/sm90/mega/mainloop_smem.cuh kWeightsEvictFirst): VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST=auto
+    (default: the token tiles in EVICT_FIRST_TILES), 1 (every tma build) or 0 (none)."""
+    setting = _evict_first_setting(os.environ.get(WEIGHTS_EVICT_FIRST_ENV, ""))
+    if mainloop not in TMA_MAINLOOPS or setting is False:
+        return False
+    return setting is True or tile in EVICT_FIRST_TILES
+
+
+@functools.lru_cache(maxsize=None)  # asked on every call
+def evict_first_max_tokens(shape: MoEShape, fmt: str, num_ranks: int) -> int:
+    """The most tokens per rank of a call that uses the policy under auto (see EVICT_FIRST_*)."""
+    weight_bytes = shape.experts_per_rank(num_ranks) * 3 * shape.hidden * shape.intermediate * (1 if fmt == "fp8-block" else 2)
+    return EVICT_FIRST_MAX_TOKENS_SMALL_LAYER if weight_bytes <= EVICT_FIRST_SMALL_LAYER_BYTES else EVICT_FIRST_MAX_TOKENS
+
+
+def weights_evict_first_call(num_tokens: int, shape: MoEShape, fmt: str, num_ranks: int) -> bool:
+    """Whether a call of `num_tokens` tokens on this rank uses the policy (where its build has it):
+    VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST=1 / 0: always / never; auto: up to evict_first_max_tokens.
+    It keeps the L1 outputs and combine rows in L2 while the weights stream past, read once; where
+    the weight stream is the bound (more tokens, larger layers) it costs more than that saves."""
+    setting = _evict_first_setting(os.environ.get(WEIGHTS_EVICT_FIRST_ENV, ""))
+    if setting is not None:
+        return setting
+    return num_tokens <= evict_first_max_tokens(shape, fmt, num_ranks)
 
 
 def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str,

@@ -66,6 +66,17 @@ def _choice(*choices: str) -> Callable[[Any], str]:
     return parse
 
 
+def _auto_or_flag(v: Any) -> str:
+    """'auto', or a flag's spelling (parse_flag) as '1' / '0'."""
+    s = str(v).strip().lower()
+    if s == "auto":
+        return s
+    try:
+        return "1" if parse_flag(s) else "0"
+    except ValueError:
+        raise ValueError("must be auto or a boolean (1/0, true/false, yes/no, on/off)") from None
+
+
 def _text(v: Any) -> str:
     s = str(v).strip()
     if not s:
@@ -153,6 +164,13 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "third warpgroup while the other two run the next task's K loop (0.89-0.97x the time at "
         "1024-8192 tokens per rank, Qwen3-like decode 0.90-0.98x, docs/kernel_notes.md v18); 0: on "
         "the MMA warpgroups (A/B only).",
+        core_env=True),
+    Key("sm90_weights_evict_first", _auto_or_flag, None,
+        "auto (default): the SM90 kernel's 32-token TMA builds copy their weight boxes with an L2 "
+        "evict-first policy in calls of at most 128 tokens per rank (16 in layers of more than 2 GiB of "
+        "expert weights per rank), so that the weight stream, read once per call, leaves the L1 outputs and "
+        "combine rows the call reads again in the L2 cache (0.97-0.99x the time there on one H200, slower "
+        "with more tokens); 1 / 0: every TMA build and call does / none does (A/B).",
         core_env=True),
     Key("sm90_ablate", _text, None,
         "Profiling only, outputs are wrong (but with keep_padding alone, an A/B build): SM90 builds without part "

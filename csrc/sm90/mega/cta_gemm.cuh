@@ -56,7 +56,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   if (!st.prefetched) {
 #pragma unroll
     for (u32 s = 0; s < kAhead; ++s) {
-      if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur);
+      if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur, p);
       cp_async_commit();
     }
   }
@@ -76,7 +76,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
 #endif
     mma_barrier();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
-    load_chunk_ahead<K>(sm, st, c + kAhead, cur, next);
+    load_chunk_ahead<K>(sm, st, c + kAhead, cur, next, p);
     cp_async_commit();
     chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
   }

@@ -136,7 +136,7 @@ MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroup
   load_token_fragment(a, sm, stage, cur.rows.num_rows);
   issue_register_tokens_group(part, sm, stage, 0, a);
   mma_barrier();
-  load_chunk_ahead<K>(sm, st, S - 1, cur, next);
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next, p);
   return stage;
 }
 
@@ -181,7 +181,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
     trace_point(trace, c, 2);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     trace_point(trace, c, 3);
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
     trace_point(trace, c, 4);
     fence_accumulators(part1);
     promote_register_tokens(acc1, part1, scales);  // g1(c - 1), while g0(c) runs
@@ -259,7 +259,7 @@ MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, c
     load_token_fragment(a, sm, stage, cur.rows.num_rows);
     issue_register_tokens_group(pa, sm, stage, 0, a);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
     rest_of_chunk(stage, c);
   }
 }

@@ -46,6 +46,18 @@ constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopSt
 // in registers (k_loop_register_tokens.cuh), narrow tasks (64-token tiles) the swap-AB one below.
 constexpr bool kRegisterTokens = kLagPromotion && (kTileTokens == 64 || kTileTokens == 128);
 
+// TMA builds compiled with MEGAMOE_WEIGHTS_EVICT_FIRST (the host's sm90_tuning.weights_evict_first_build)
+// copy the weight boxes with an L2 evict-first policy in the calls that set Params::weights_evict_first
+// (sm90_tuning.weights_evict_first_call: a few tokens per rank). There the weight stream, read once,
+// passes hundreds of MB through the 50 MB L2 cache and with plain copies pushes out the rows the call
+// reads again later (the L1 outputs an expert's L2 tasks read, the combine rows the reduce reads):
+// 0.96-0.98x the time at 1-128 tokens per rank on one H200, but 1.02-1.21x at 256-8192
+// (docs/kernel_notes.md v30), so it is a per-call choice.
+#ifndef MEGAMOE_WEIGHTS_EVICT_FIRST
+#define MEGAMOE_WEIGHTS_EVICT_FIRST 0
+#endif
+constexpr bool kWeightsEvictFirst = MEGAMOE_WEIGHTS_EVICT_FIRST != 0 && MEGAMOE_SMEM_MAINLOOP == 3;
+
 // FP8 128-token tiles: the register-token loops only (3 or more stages; sm90_mega_moe refuses 2).
 static_assert(!(kFP8 && kTileTokens == 128) || kRegisterTokens, "FP8 128-token tiles need 3 or more stages");
 // Weight-scale table copies: one per warp (the swap-AB loops: a warp's rows lie in one 128-row
@@ -199,7 +211,7 @@ MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
 // and the 32 token rows (clamped to the last valid row, like mma_tile.cuh).
 #if MEGAMOE_SMEM_MAINLOOP >= 3
 // TMA: the two box copies of chunk `chunk` into `stage`, completing on its mbarrier (one thread).
-MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
+MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op, const Params& p) {
   if constexpr (kAblate & kAblateTma) {  // the stage's phase completes with this arrival alone
     mbarrier_arrive(&sm.full[stage]);
     return;
@@ -213,18 +225,23 @@ MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, cons
 #endif
   const int k = static_cast<int>(chunk * kChunkBytes / kElemBytes);  // in elements
   mbarrier_arrive_expect_tx(&sm.full[stage], (kTileRows + kTileTokens) * kChunkBytes);
-  tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0),
-              (kAblate & kAblateWeightRows) ? 0 : static_cast<int>(op.rows.expert));
+  const int expert = (kAblate & kAblateWeightRows) ? 0 : static_cast<int>(op.rows.expert);
+  if (kWeightsEvictFirst && p.weights_evict_first)
+    tma_load_3d_hint(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), expert,
+                     l2_policy_evict_first());
+  else
+    tma_load_3d(op.a_map, sm.a[stage], &sm.full[stage], k, static_cast<int>(op.a_row0), expert);
   tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k,
               (kAblate & kAblateTokenRows) ? 0 : static_cast<int>(op.rows.first_row));
 }
 #endif
 
 template <u32 K>
-MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op) {
+MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op, const Params& p) {
 #if MEGAMOE_SMEM_MAINLOOP >= 3
-  if (threadIdx.x == 0) issue_chunk_tma(sm, stage, chunk, op);
+  if (threadIdx.x == 0) issue_chunk_tma(sm, stage, chunk, op, p);
 #else
+  (void)p;
   constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
   const u32 k0 = chunk * kChunkBytes;
 #pragma unroll
@@ -245,13 +262,13 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
 // the loop streams on into it; nothing otherwise), into the stage its sequence number selects.
 template <u32 K>
 MEGAMOE_DEVICE void load_chunk_ahead(MainloopSmem& sm, const MainloopState<K>& st, u32 ahead, const TaskOperands& cur,
-                                     const TaskOperands* next) {
+                                     const TaskOperands* next, const Params& p) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   const u32 stage = (st.seq + ahead) % kMainloopStages;
   if (ahead < kChunks)
-    load_chunk<K>(sm, stage, ahead, cur);
+    load_chunk<K>(sm, stage, ahead, cur, p);
   else if (next != nullptr)
-    load_chunk<K>(sm, stage, ahead - kChunks, *next);
+    load_chunk<K>(sm, stage, ahead - kChunks, *next, p);
 }
 
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
@@ -359,7 +376,7 @@ MEGAMOE_DEVICE void k_loop_deferred_wait(WarpAcc& acc, MainloopSmem& sm, const M
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
     wgmma_chunk<1>(acc, sm, stage);
     mma_barrier();  // every warp is done with chunk c - 1's stage
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
   }
   wgmma_wait_group<0>();  // the last chunk's wgmmas, before the epilogue reads acc
   fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
@@ -562,7 +579,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
   issue_group<kN>(part0, sm, stage, 0);
   mma_barrier();  // also: the task's scale tables are stored
-  load_chunk_ahead<K>(sm, st, S - 1, cur, next);  // into the last task's last stage: its epilogue is done
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next, p);  // into the last task's last stage: its epilogue is done
   issue_group<kN>(part1, sm, stage, 1);
   load_promote_scales(scales, sm, 0);
   promote_after<1, kN>(acc.v[0], part0, scales);
@@ -580,7 +597,7 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     trace_point(trace, c, 4);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     trace_point(trace, c, 5);
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
     trace_point(trace, c, 6);
     issue_group<kN>(part1, sm, stage, 1);
     trace_point(trace, c, 7);

@@ -29,6 +29,9 @@ struct Params {
   // Whether topk_idx holds int64 (torch.topk's dtype): read as it comes, so that a call does not
   // start with a conversion kernel. Last, so that older kernel trees still read the fields above.
   int topk_idx_int64;
+  // Whether this call's weight copies take an L2 evict-first policy (builds compiled with
+  // MEGAMOE_WEIGHTS_EVICT_FIRST only; mainloop_smem.cuh kWeightsEvictFirst).
+  int weights_evict_first;
 };
 
 // Region pointers of one rank's buffer.
