@@ -51,8 +51,8 @@ constexpr bool kRegisterTokens = kLagPromotion && (kTileTokens == 64 || kTileTok
 // (sm90_tuning.weights_evict_first_call: a few tokens per rank). There the weight stream, read once,
 // passes hundreds of MB through the 50 MB L2 cache and with plain copies pushes out the rows the call
 // reads again later (the L1 outputs an expert's L2 tasks read, the combine rows the reduce reads):
-// 0.96-0.98x the time at 1-128 tokens per rank on one H200, but 1.02-1.21x at 256-8192
-// (docs/kernel_notes.md v30), so it is a per-call choice.
+// on one H200 Qwen3-like 0.96-0.99x the time at 1-128 tokens per rank, the larger layers 0.97-1.00x
+// at 1-16, but every shape 1.01-1.21x with more tokens (docs/kernel_notes.md v30): a per-call choice.
 #ifndef MEGAMOE_WEIGHTS_EVICT_FIRST
 #define MEGAMOE_WEIGHTS_EVICT_FIRST 0
 #endif
