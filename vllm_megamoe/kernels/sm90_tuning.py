@@ -12,6 +12,8 @@ Three sources, strongest first:
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
    AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles where a
    padding-aware model prefers them (prefers_128; FP8 with the tma mainloop only).
+Per call, too: whether the weight copies take an L2 evict-first policy (weights_evict_first_call; the
+32-token builds compile it in, weights_evict_first_build), by tokens per rank and the layer's size.
 Ranks with different token counts may pick different builds in one call: the protocol between
 ranks does not depend on the build, and every build a layer may use is compiled before the first
 call's rank alignment (`choices`).
