@@ -212,6 +212,14 @@ class KernelSpec:
         items = tuple(sorted((str(k), str(int(v) if isinstance(v, bool) else v)) for k, v in (defines or {}).items()))
         return KernelSpec(source=source, name=name, defines=items, **kwargs)
 
+    def define(self, name: str, default: str | None = None) -> str | None:
+        """The value define `name` compiles with (a string), or `default` when the spec has none."""
+        return self._define_map.get(name, default)
+
+    @functools.cached_property
+    def _define_map(self) -> dict[str, str]:  # built once per spec: the op asks on every call
+        return dict(self.defines)
+
 
 def spec_to_json(spec: KernelSpec) -> str:
     """One line of JSON that spec_from_json turns back into `spec`."""

@@ -182,12 +182,12 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
 
 
 def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:
-    return int(dict(spec.defines).get("MEGAMOE_MAINLOOP_SMEM_BYTES", 0))
+    return int(spec.define("MEGAMOE_MAINLOOP_SMEM_BYTES", "0"))
 
 
 def threads_per_cta(spec: jit.KernelSpec) -> int:
     """The build's CTA size: 384 with an epilogue warpgroup, else 256 (its __launch_bounds__)."""
-    return EPILOGUE_WARPGROUP_THREADS if dict(spec.defines).get("MEGAMOE_EPILOGUE_WARPGROUP") == "1" else NUM_THREADS
+    return EPILOGUE_WARPGROUP_THREADS if spec.define("MEGAMOE_EPILOGUE_WARPGROUP") == "1" else NUM_THREADS
 
 
 def _grid_size(device_index: int, spec: jit.KernelSpec) -> int:
@@ -295,7 +295,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if phase_clock is not None:
         from .phase_clock import columns
         grid = _grid_size(dev, spec)
-        traced = dict(spec.defines).get("MEGAMOE_CHUNK_TRACE") == "1"
+        traced = spec.define("MEGAMOE_CHUNK_TRACE") == "1"
         check_tensor("phase_clock", phase_clock, dtype=torch.int64, shape=(grid, columns(traced)), contiguous=True)
         require(phase_clock.device == x.device, f"phase_clock must be on {x.device}")
         params.phase_clock = phase_clock.data_ptr()
@@ -304,7 +304,7 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.timeout_ns = int(buffer.timeout_s * 1e9)
     params.num_tokens, params.rank = t, buffer.rank
     params.topk_idx_int64 = int(idx.dtype == torch.int64)
-    params.weights_evict_first = int(dict(spec.defines).get("MEGAMOE_WEIGHTS_EVICT_FIRST") == "1"
+    params.weights_evict_first = int(spec.define("MEGAMOE_WEIGHTS_EVICT_FIRST") == "1"
                                      and sm90_tuning.weights_evict_first_call(t, shape, buffer.layout.format, buffer.num_ranks))
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
