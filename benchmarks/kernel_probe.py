@@ -53,6 +53,8 @@ KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MA
          # 0: the 32- and 64-token TMA builds without their epilogue warpgroup (epilogue_warpgroup.cuh); a
          # csrc= tree from before it must run with 0 (its kernel has 256 threads)
          "epilogue_wg": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP",
+         # 1: the 128-token TMA builds with an epilogue warpgroup where its 64 KB tile fits (3 stages)
+         "epilogue_wg128": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128",
          # 1 / 0: the TMA builds' weight copies with an L2 evict-first policy or without (default auto,
          # sm90_tuning.weights_evict_first)
          "evict_first": "VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST",

@@ -205,16 +205,21 @@ FUSED_CASES = [("v4-flash", 4096, 2048, 256, 6), ("deepseek-v3", 7168, 2048, 256
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma", "wgmma-64", "tma", "tma-64", "tma-128"])
+@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma", "wgmma-64", "tma", "tma-64", "tma-128", "tma-128-wg"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 @pytest.mark.parametrize("name,hidden,inter,experts,topk", FUSED_CASES)
 def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, hidden, inter, experts, topk, fmt,
                                               mainloop):
     """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
-    with every mainloop (and 64- / 128-token tiles for wgmma / TMA); the shared memory it declares fits next to
-    the dynamic mainloop stages."""
+    with every mainloop (and 64- / 128-token tiles for wgmma / TMA; "-wg": the 128-token epilogue
+    warpgroup, whose tile fits the Qwen3-like layer only); the shared memory it declares fits next
+    to the dynamic mainloop stages."""
     if fmt == "fp8-block" and mainloop == "wgmma-128":
         pytest.skip("FP8 128-token tiles need the tma mainloop (test_fp8_128_token_tiles_need_tma)")
+    if mainloop == "tma-128-wg":
+        if name != "qwen3-30b-a3b":
+            pytest.skip("the 128-token epilogue warpgroup's tile does not fit beside 3 stages (the tma-128 build)")
+        monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "1")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop.split("-")[0])
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", mainloop.split("-")[1] if "-" in mainloop else "32")
     from vllm_megamoe import BufferLayout, MoEShape
@@ -226,6 +231,7 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
         layout = BufferLayout(shape, 2, 4096, fmt)
 
     spec = sm90_mega_moe.kernel_spec(shape, _Buf())
+    assert (sm90_mega_moe.threads_per_cta(spec) == 384) == (mainloop in ("tma", "tma-64", "tma-128-wg"))
     compiled = jit.compile_kernel(spec, "nvrtc")
     assert len(compiled.cubin) > 10_000
     _, spills = _resources(compiled.log)
@@ -641,6 +647,54 @@ def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "2")
     with pytest.raises(ValueError, match="EPILOGUE_WARPGROUP"):
         sm90_smem.has_epilogue_warpgroup("tma", 64)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_epilogue_warpgroup_128_where_its_tile_fits(monkeypatch, ranks):
+    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128=1 gives the 128-token TMA builds an epilogue
+    warpgroup where its 64 KB tile fits beside 3 stages: the Qwen3-like layer (3 stages chosen,
+    the tile in static shared memory), not V4-Flash- or DeepSeek-V3-like (their 128-token builds
+    keep 4 stages and the epilogue in a stage); off by default, and off under
+    VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0; a forced depth that cannot fit is refused."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem, sm90_tuning
+
+    qwen3, v4, dsv3 = MoEShape(2048, 768, 128, 8), MoEShape(4096, 2048, 256, 6), MoEShape(7168, 2048, 256, 8)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
+    monkeypatch.delenv("VLLM_MEGAMOE_SM90_STAGES", raising=False)
+
+    def build(shape):
+        class _Buf:
+            layout = BufferLayout(shape, ranks, 4096, "fp8-block")
+        choice = sm90_tuning.choose(shape, "fp8-block", ranks, 8192)
+        spec = sm90_mega_moe._make_spec(shape, _Buf(), choice)
+        return choice, sm90_mega_moe.threads_per_cta(spec)
+
+    monkeypatch.delenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", raising=False)
+    assert not sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
+    assert build(qwen3)[1] == 256
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "1")
+    assert sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
+    assert not sm90_smem.has_epilogue_warpgroup("tma", 128)  # no shape: no 128-token warpgroup
+    assert not sm90_smem.has_epilogue_warpgroup("wgmma", 128, qwen3, ranks)
+    choice, threads = build(qwen3)
+    assert (choice.stages, choice.tile, threads) == (3, 128, 384)
+    with_wg = sm90_smem.build_smem_bytes(qwen3, ranks, "tma", 3, 128)
+    assert with_wg <= sm90_smem.SMEM_PER_BLOCK < sm90_smem.build_smem_bytes(qwen3, ranks, "tma", 4, 128)
+    for shape in (v4, dsv3):
+        assert not sm90_smem.has_epilogue_warpgroup("tma", 128, shape, ranks)
+        choice, threads = build(shape)
+        assert (choice.stages, threads) == (4, 256)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "0")
+    assert not sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "1")
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_STAGES", "4")
+    with pytest.raises(ValueError, match="4 stages of the tma mainloop need"):
+        build(qwen3)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "2")
+    with pytest.raises(ValueError, match="EPILOGUE_WARPGROUP_128='2' must be a boolean"):
+        sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
 
 
 @pytest.mark.parametrize("env,mainloop,tile,on", [(None, "tma", 32, True), (None, "tma", 64, False), (None, "tma", 128, False),

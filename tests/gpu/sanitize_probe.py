@@ -32,4 +32,7 @@ if __name__ == "__main__":
     os.environ["VLLM_MEGAMOE_SM90_TOKEN_TILE"] = "128"  # the epilogue tile in a stage
     check("bf16", 300, "uniform", "bf16, 128-token tiles")
     check("fp8-block", 300, "uniform", "fp8-block, 128-token tiles")
+    os.environ["VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128"] = "1"  # the hand-off tile (fits this shape)
+    check("fp8-block", 300, "uniform", "fp8-block, 128-token tiles, epilogue warpgroup")
+    check("bf16", 300, "uniform", "bf16, 128-token tiles, epilogue warpgroup")
     torch.cuda.synchronize()

@@ -326,20 +326,25 @@ def test_activation_clamp_128_token_tiles_one_gpu(fmt, monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("tile", ["32", "64"])
+@pytest.mark.parametrize("tile", ["32", "64", "128"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 def test_epilogue_warpgroup_is_bit_identical_one_gpu(fmt, tile, monkeypatch):
-    """The 32- / 64-token TMA builds' epilogue warpgroup computes what the MMA warpgroups' own
-    epilogue does (SwiGLU on the BF16-rounded gate / up, the FP8 scale per token, the combine
-    rows): the outputs of the two builds are equal bit for bit, with full and narrow token blocks,
-    with and without the activation clamp, and over several calls of one buffer."""
+    """The TMA builds' epilogue warpgroup computes what the MMA warpgroups' own epilogue does
+    (SwiGLU on the BF16-rounded gate / up, the FP8 scale per token, the combine rows): the outputs
+    of the two builds are equal bit for bit, with full and narrow (or partial) token blocks, with
+    and without the activation clamp, and over several calls of one buffer. 128-token tiles: the
+    layers whose 64 KB hand-off tile fits (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128), against the
+    register epilogue of the FP8 builds and the stage-tile one of the BF16 builds."""
     from mega_cases import global_weights, inputs
     from vllm_megamoe import SymmBuffer
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "1")
     dev = torch.device("cuda", 0)
-    for shape_name, tokens in (("qwen3-30b-a3b", [1000, 37]), ("v4-flash", [4096, 300])):
+    cases = ((("qwen3-30b-a3b", [1000, 200]), ("small-odd", [4096, 300])) if tile == "128"
+             else (("qwen3-30b-a3b", [1000, 37]), ("v4-flash", [4096, 300])))
+    for shape_name, tokens in cases:
         shape = SHAPES[shape_name]
         weights = global_weights(shape, fmt, dev)
         buf = SymmBuffer(shape, max(tokens), None, format=fmt, device=dev)

@@ -85,7 +85,7 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build (the raw value keys the cache,
     # so the per-call lookup resolves no path); so is a build without its epilogue warpgroup
     key = (shape, choice, ablate, trace, trace_task, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"),
-           has_epilogue_warpgroup(choice.mainloop, choice.tile), sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile))
+           has_epilogue_warpgroup(choice.mainloop, choice.tile, shape, buffer.layout.num_ranks), sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile))
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
         cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, jit.csrc_override())
@@ -156,16 +156,17 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(fmt == "fp8-block"), MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[choice.mainloop],
                    MEGAMOE_TILE_TOKENS=choice.tile)
+    epilogue_wg = has_epilogue_warpgroup(choice.mainloop, choice.tile, shape, ranks)
     if choice.mainloop != "ldg":
         smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
         static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile, choice.mainloop,
-                                   epilogue_tables_in_mainloop(shape, choice.tile))
+                                   epilogue_tables_in_mainloop(shape, choice.tile), epilogue_wg)
         require(smem + static <= SMEM_PER_BLOCK,
                 f"{choice.stages} stages of the {choice.mainloop} mainloop need {smem} + {static} bytes of shared "
                 f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "
                 "(VLLM_MEGAMOE_SM90_STAGES or the tuning table)")
         defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
-    if has_epilogue_warpgroup(choice.mainloop, choice.tile):
+    if epilogue_wg:
         defines.update(MEGAMOE_EPILOGUE_WARPGROUP=1)
     if sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile):
         defines.update(MEGAMOE_WEIGHTS_EVICT_FIRST=1)

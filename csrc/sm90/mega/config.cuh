@@ -68,9 +68,11 @@ constexpr u32 kTileRows = 256;                  // weight rows per task
 #define MEGAMOE_TILE_TOKENS 32
 #endif
 constexpr u32 kTileTokens = MEGAMOE_TILE_TOKENS; // tokens per task (a token block)
-// The 32- and 64-token TMA builds add a third warpgroup that runs the GEMM tasks' epilogues (SwiGLU,
-// requantization, the stores, the L1 block's release) while the MMA warpgroups run the next
-// task's K loop (epilogue_warpgroup.cuh); every other build has the two MMA warpgroups only.
+// The 32- and 64-token TMA builds, and the 128-token ones whose 64 KB hand-off tile fits beside
+// 3 stages (sm90_smem.has_epilogue_warpgroup), add a third warpgroup that runs the GEMM tasks'
+// epilogues (SwiGLU, requantization, the stores, the L1 block's release) while the MMA warpgroups
+// run the next task's K loop (epilogue_warpgroup.cuh); every other build has the two MMA
+// warpgroups only.
 #ifndef MEGAMOE_EPILOGUE_WARPGROUP
 #define MEGAMOE_EPILOGUE_WARPGROUP 0
 #endif
@@ -94,8 +96,8 @@ static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) &&
 // FP8 128-token tiles: the register-token loop only (two 32-float partials next to 128
 // accumulators; the swap-AB form needs 32 scale products per thread and spilled).
 static_assert(!(kFP8 && kTileTokens == 128) || MEGAMOE_SMEM_MAINLOOP == 3, "FP8 128-token tiles need the tma mainloop");
-static_assert(!kEpilogueWarpgroup || (MEGAMOE_SMEM_MAINLOOP == 3 && kTileTokens <= 64),
-              "the epilogue warpgroup is built for the 32- and 64-token TMA tiles only");
+static_assert(!kEpilogueWarpgroup || MEGAMOE_SMEM_MAINLOOP == 3,
+              "the epilogue warpgroup is built for the TMA mainloop only");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 

@@ -7,7 +7,8 @@ namespace megamoe::mega {
 
 // The L2 epilogue goes through shared memory in passes of up to 64 tokens (a 128-token tile's
 // [128][256] BF16 rows would take 64 KB); L1's [tokens][128] FP8 / BF16 tile fits the same bytes.
-constexpr u32 kL2PassTokens = kTileTokens < 64 ? kTileTokens : 64;
+// An epilogue warpgroup's hand-off tile holds a whole task: one pass (64 KB at 128 tokens).
+constexpr u32 kL2PassTokens = kTileTokens < 64 || kEpilogueWarpgroup ? kTileTokens : 64;
 constexpr u32 kEpilogueTileBytes = kL2PassTokens * kTileRows * 2;  // L1: [tokens][128] fp8/bf16; L2: [pass tokens][256] bf16
 static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epilogue tile does not fit");
 // The TMA mainloop leaves the stage of a task's last chunk untouched until the next task's first

@@ -1,16 +1,16 @@
-// The epilogue warpgroup of the 32- and 64-token TMA builds (kEpilogueWarpgroup; the BF16 128-token
-// tiles would need a 64 KB tile and keep their epilogue): a third warpgroup runs
+// The epilogue warpgroup of the 32- and 64-token TMA builds, and of the 128-token ones where a 64 KB
+// tile fits beside 3 stages (kEpilogueWarpgroup; sm90_smem.has_epilogue_warpgroup): a third warpgroup runs
 // the GEMM tasks' epilogues while the two MMA warpgroups run the next task's K loop. Without it a
 // CTA's tensor cores idled through every epilogue: 11-22 % of the GEMM phases at prefill
 // (docs/kernel_notes.md v17's task spans: SwiGLU's MUFU work, two CTA barriers, the stores and the
 // L1 block's release, whose fence stalled warp 0, the TMA issuer).
 //
-// Hand-off per task through one 16 / 32 KB shared-memory tile ([tokens][512 bytes], rows permuted
+// Hand-off per task through one 16 / 32 / 64 KB shared-memory tile ([tokens][512 bytes], rows permuted
 // by epilogue_offset) and two mbarriers:
 //   MMA warpgroups: wait for tile_empty, store the accumulators as BF16 (L1: each channel's (gate,
 //     up) pair, both rounded to BF16 as SwiGLU rounds them; L2: the 256 output channels) and the
 //     task's header, arrive on tile_full (every thread), start the next task's K loop;
-//   epilogue warpgroup: wait for tile_full, one warp per token row (8 / 16 rows each): L1 SwiGLU x
+//   epilogue warpgroup: wait for tile_full, one warp per token row (8 / 16 / 32 rows each): L1 SwiGLU x
 //     top-k weight, the row's FP8 scale (warp amax) or BF16, one row store to staging_l2; L2 the
 //     row to the source rank's combine buffer; arrive on tile_empty (every thread); L1: then the
 //     block's release (its fence stalls this warpgroup, not the K loop).

@@ -531,7 +531,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
     span_count(p, clock, kSpanL2Tasks);
     return;
   }
-  if constexpr (kRegTok && kRegisterTokens128) {
+  if constexpr (kRegTok && kRegisterTokens128 && !kEpilogueWarpgroup) {
     l2_rows_from_registers(acc, t, ht, p, me);
     task_trace_point(p, true, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL2Epilogue);
@@ -595,7 +595,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
       }
     }
   };
-  if constexpr (kEpilogueWarpgroup) {  // one pass (64 tokens); the epilogue warpgroup sends the rows
+  if constexpr (kEpilogueWarpgroup) {  // one pass (the whole task); the epilogue warpgroup sends the rows
     static_assert(kPassTokens == kN, "the hand-off tile holds the whole task");
     handoff_wait_empty(smem, st.handoffs, p, kPhaseL2);
     task_trace_point(p, true, st.tasks - 1, kTaskEpilogueStart);
