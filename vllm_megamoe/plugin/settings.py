@@ -165,6 +165,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "1024-8192 tokens per rank, Qwen3-like decode 0.90-0.98x, docs/kernel_notes.md v18); 0: on "
         "the MMA warpgroups (A/B only).",
         core_env=True),
+    Key("sm90_epilogue_warpgroup_128", _flag, None,
+        "0 (default): the SM90 kernel's 128-token TMA builds run their epilogues on the MMA warpgroups; "
+        "1: where the 64 KB hand-off tile fits beside 3 stages (Qwen3-like layers), on a third warpgroup "
+        "as the 32- and 64-token builds do (A/B only: 1.01-1.06x the time on one H200, docs/kernel_notes.md v31).",
+        core_env=True),
     Key("sm90_weights_evict_first", _auto_or_flag, None,
         "auto (default): the SM90 kernel's 32-token TMA builds copy their weight boxes with an L2 "
         "evict-first policy in calls of at most 128 tokens per rank (16 in layers of more than 2 GiB of "
