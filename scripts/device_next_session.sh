@@ -35,6 +35,8 @@
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
+#   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
+#                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
 #   STEP=inproc  one_gpu's one-process A/B alone (this tree and the BASES trees), one GPU
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
@@ -275,5 +277,19 @@ case "${STEP:-verify}" in
     cp "$(ls -t "$VLLM_MEGAMOE_CACHE_DIR"/megamoe_sm90_fused-*.cubin | head -1)" "$OUT/kernel.cubin"
     python3 -m benchmarks.ncu_regions "$OUT/source.csv" --cubin "$OUT/kernel.cubin" > "$OUT/regions.txt" 2>&1
     head -45 "$OUT/regions.txt"; rm -f "$OUT/rep.ncu-rep" ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  wg128)    # ~5 min, one GPU: the 128-token epilogue warpgroup (v31: 1.01-1.06x slower, its K loops 1.06-1.18x
+            # longer). Its tests (bit-identical to the inline epilogue; the clamp), racecheck of its
+            # small-odd cases, then the A/B that tells its costs apart at Qwen3-like 2048 / 8192 tokens:
+            # stages=3 (the inline epilogue at its depth) and its build with ablate=epilogue (the hand-off
+            # without the third warpgroup's work) against ablate=epilogue at 4 stages
+    timeout 150 python3 -m pytest $T -o timeout=140 tests/gpu/test_sm90_mega_moe.py -k "bit_identical or activation_clamp_128" \
+      > "$OUT/wg128_tests.log" 2>&1
+    tail -3 "$OUT/wg128_tests.log"
+    VLLM_MEGAMOE_TIMEOUT_S=20 timeout 120 compute-sanitizer --tool racecheck --report-api-errors no --print-limit 20 \
+      python3 tests/gpu/sanitize_probe.py "epilogue warpgroup" > "$OUT/wg128_racecheck.log" 2>&1
+    tail -3 "$OUT/wg128_racecheck.log"
+    timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-fp8-block} --shapes qwen3-30b-a3b \
+      --tokens ${TOKENS:-2048 8192} --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue \
+      ablate=epilogue --rounds 3 --iters 300 --out "$OUT/probe_wg128.json" 2>&1 | tail -26 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
 esac
