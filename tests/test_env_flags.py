@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from vllm_megamoe.env_flags import FALSE, TRUE, env_flag, parse_flag
+from vllm_megamoe.env_flags import FALSE, TRUE, env_flag, parse_auto_flag, parse_flag
 from vllm_megamoe.kernels import jit, sm90_smem
 
 
@@ -15,6 +15,16 @@ def test_core_and_plugin_read_a_flag_alike(monkeypatch, raw):
     assert env_flag("VLLM_MEGAMOE_TEST_FLAG", not on) is on
     assert settings._flag(raw) == ("1" if on else "0")
 
+
+
+@pytest.mark.parametrize("raw,want", [("auto", None), (" AUTO ", None), ("1", True), ("off", False)])
+def test_core_and_plugin_read_auto_or_a_flag_alike(raw, want):
+    """The evict-first variable's reader (sm90_tuning) and its plugin key share parse_auto_flag."""
+    settings = pytest.importorskip("vllm_megamoe.plugin.settings")
+    assert parse_auto_flag(raw) is want
+    assert settings._auto_or_flag(raw) == {None: "auto", True: "1", False: "0"}[want]
+    with pytest.raises(ValueError, match="must be auto or a boolean"):
+        parse_auto_flag("2")
 
 def test_unset_or_empty_is_the_default_and_a_bad_value_names_the_variable(monkeypatch):
     monkeypatch.delenv("VLLM_MEGAMOE_TEST_FLAG", raising=False)

@@ -19,6 +19,17 @@ def parse_flag(raw: object) -> bool:
     raise ValueError("must be a boolean (1/0, true/false, yes/no, on/off)")
 
 
+
+def parse_auto_flag(raw: object) -> bool | None:
+    """None for 'auto', else parse_flag's True / False; ValueError for anything else."""
+    if str(raw).strip().lower() == "auto":
+        return None
+    try:
+        return parse_flag(raw)
+    except ValueError:
+        raise ValueError("must be auto or a boolean (1/0, true/false, yes/no, on/off)") from None
+
+
 def env_flag(name: str, default: bool) -> bool:
     """The flag `name` from the environment (unset or empty: `default`); a bad value is an error
     that names the variable."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..env_flags import parse_flag
+from ..env_flags import parse_auto_flag
 from ..shape import MoEShape, require
 from .sm90_smem import TMA_MAINLOOPS, WGMMA_MAINLOOPS, fits
 
@@ -148,13 +148,12 @@ EVICT_FIRST_MAX_TOKENS = 16
 
 @functools.lru_cache(maxsize=None)  # once per setting: the op asks on every call
 def _evict_first_setting(raw: str) -> Optional[bool]:
-    if raw.strip().lower() in ("", "auto"):
-        return None
+    if not raw.strip():
+        return None  # unset: auto
     try:
-        return parse_flag(raw)
-    except ValueError:
-        raise ValueError(f"{WEIGHTS_EVICT_FIRST_ENV}={raw!r} must be auto or a boolean (1/0, true/false, yes/no, "
-                         "on/off)") from None
+        return parse_auto_flag(raw)
+    except ValueError as e:
+        raise ValueError(f"{WEIGHTS_EVICT_FIRST_ENV}={raw!r} {e}") from None
 
 
 def weights_evict_first_build(mainloop: str, tile: int) -> bool:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from ..env_flags import parse_flag
+from ..env_flags import parse_auto_flag, parse_flag
 
 ENV_PREFIX = "VLLM_MEGAMOE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -67,14 +67,9 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 
 def _auto_or_flag(v: Any) -> str:
-    """'auto', or a flag's spelling (parse_flag) as '1' / '0'."""
-    s = str(v).strip().lower()
-    if s == "auto":
-        return s
-    try:
-        return "1" if parse_flag(s) else "0"
-    except ValueError:
-        raise ValueError("must be auto or a boolean (1/0, true/false, yes/no, on/off)") from None
+    """'auto', or a flag's spelling (parse_auto_flag) as '1' / '0'."""
+    on = parse_auto_flag(v)
+    return "auto" if on is None else "1" if on else "0"
 
 
 def _text(v: Any) -> str:
