@@ -57,12 +57,13 @@ def parse_shape(spec: str):
     if spec in STANDARD_SHAPES:
         s = STANDARD_SHAPES[spec]
         return (spec, s.hidden, s.intermediate, s.num_experts, s.topk)
+    from vllm_megamoe import MoEShape
     try:
-        h, i, e, k = (int(v) for v in spec.lower().split("x"))
+        s = MoEShape.parse(spec)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"shape {spec!r}: use one of {sorted(STANDARD_SHAPES)} or HIDDENxINTERxEXPERTSxTOPK") from None
-    return (spec, h, i, e, k)
+    return (spec, s.hidden, s.intermediate, s.num_experts, s.topk)
 
 
 # ======================================================================= per-rank side (GPU) ===

@@ -203,10 +203,7 @@ def compile_only(shapes: list[str], fmt: str, tokens_list: list[int], variants: 
     (VLLM_MEGAMOE_CACHE_DIR), without a GPU: the cache keys depend only on the spec, the sources
     and the compiler (NVRTC's version), so a cache filled here and carried to the device saves
     the device its compile time. Returns one line per build."""
-    import types
-
-    from vllm_megamoe import BufferLayout
-    from vllm_megamoe.kernels import jit, sm90_mega_moe, sm90_tuning
+    from vllm_megamoe.kernels import jit, sm90_mega_moe
 
     lines = []
     for name in shapes:
@@ -214,12 +211,10 @@ def compile_only(shapes: list[str], fmt: str, tokens_list: list[int], variants: 
         for variant in variants:
             with scoped_env(variant_env(variant)):
                 # kernel_probe's buffers hold max(tokens) per rank (_rank_main), and its first call of
-                # a shape loads every build `choose` can return (sm90_mega_moe.load_kernel). kernel_spec
-                # reads only a buffer's layout: a SymmBuffer of `world` ranks would need their group.
-                buf = types.SimpleNamespace(layout=BufferLayout(shape, world, max(tokens_list), fmt))
-                for choice in sm90_tuning.choices(shape, fmt, world):
-                    compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, buf, choice))
-                    lines.append(f"{name} {variant}: {choice.label()} "
+                # a shape loads every build the layer may run (sm90_mega_moe.load_kernel).
+                for spec in sm90_mega_moe.layer_kernel_specs([shape], fmt, world, max(tokens_list)):
+                    compiled = jit.compile_kernel(spec)
+                    lines.append(f"{name} {variant}: {sm90_mega_moe.describe_spec(spec)} "
                                  f"{'cached' if compiled.from_cache else 'compiled'} {compiled.key[:12]}")
     return lines
 

@@ -632,7 +632,7 @@ def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
     class _Buf:
         layout = BufferLayout(shape, 2, 4096, "bf16")
 
-    spec = sm90_mega_moe._make_spec(shape, _Buf(), Choice(mainloop, 4, tile))
+    spec = sm90_mega_moe._make_spec(shape, _Buf.layout, Choice(mainloop, 4, tile))
     assert sm90_mega_moe.threads_per_cta(spec) == threads
     assert ("MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines)) == (threads == 384)
     in_stage = sm90_smem.static_smem_bytes(128, 2, tile, "tma")
@@ -665,10 +665,8 @@ def test_epilogue_warpgroup_128_where_its_tile_fits(monkeypatch, ranks):
     monkeypatch.delenv("VLLM_MEGAMOE_SM90_STAGES", raising=False)
 
     def build(shape):
-        class _Buf:
-            layout = BufferLayout(shape, ranks, 4096, "fp8-block")
         choice = sm90_tuning.choose(shape, "fp8-block", ranks, 8192)
-        spec = sm90_mega_moe._make_spec(shape, _Buf(), choice)
+        spec = sm90_mega_moe._make_spec(shape, BufferLayout(shape, ranks, 4096, "fp8-block"), choice)
         return choice, sm90_mega_moe.threads_per_cta(spec)
 
     monkeypatch.delenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", raising=False)
@@ -824,47 +822,6 @@ def test_spec_json_round_trip_and_bad_lines(tmp_path):
         path.write_text(jit.spec_to_json(spec) + "\n" + bad + "\n")
         with pytest.raises(ValueError, match=f"line 2: .*{why}"):
             jit.read_specs(path)
-
-
-@needs_nvrtc
-def test_recorded_specs_precompile_into_the_cache(tmp_path, monkeypatch, capsys):
-    """With VLLM_MEGAMOE_JIT_RECORD set every spec compiled or taken from the cache is recorded once;
-    `vllm-megamoe precompile FILE` compiles the recorded specs into another cache under the keys a
-    later run looks up, and finds them there the second time."""
-    from vllm_megamoe import cli
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    record = tmp_path / "run" / "specs.jsonl"
-    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path / "first"))
-    monkeypatch.delenv("VLLM_MEGAMOE_JIT_RECORD", raising=False)
-    a = g.kernel_spec(g.GroupedGemmConfig(block_tokens=8))
-    jit.compile_kernel(a, "nvrtc")
-    assert not record.exists()  # nothing recorded without the variable
-    monkeypatch.setenv("VLLM_MEGAMOE_JIT_RECORD", str(record))
-    b = g.kernel_spec(g.GroupedGemmConfig(block_tokens=16))
-    for spec in (a, b, a):  # a from the cache, b compiled, a again: two lines
-        jit.compile_kernel(spec, "nvrtc")
-    assert jit.read_specs(record) == [a, b] and len(record.read_text().splitlines()) == 2
-    monkeypatch.delenv("VLLM_MEGAMOE_JIT_RECORD")
-    second = tmp_path / "second"
-    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(second))
-    assert cli.main(["precompile", str(record), "--compiler", "nvrtc"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("compiled megamoe_grouped_gemm") == 2 and "2 compiled, 0 already there" in out
-    keys = {jit.cache_key(spec, "nvrtc")[:40] for spec in (a, b)}
-    assert {p.stem.rsplit("-", 1)[1] for p in second.glob("*.cubin")} == keys
-    assert cli.main(["precompile", str(record), "--compiler", "nvrtc"]) == 0
-    assert "0 compiled, 2 already there" in capsys.readouterr().out
-
-
-def test_precompile_reports_bad_input(tmp_path, capsys):
-    from vllm_megamoe import cli
-    assert cli.main(["precompile", str(tmp_path / "missing.jsonl")]) == 2
-    assert "missing.jsonl" in capsys.readouterr().err
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("[1, 2]\n")
-    assert cli.main(["precompile", str(bad)]) == 2
-    assert "bad.jsonl, line 1" in capsys.readouterr().err
 
 
 def test_specs_of_another_source_tree_are_not_recorded(tmp_path, monkeypatch):

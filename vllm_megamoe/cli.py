@@ -21,21 +21,62 @@ def _precompile(args) -> int:
     from .kernels import jit
     try:
         specs = list(dict.fromkeys(spec for path in args.files for spec in jit.read_specs(path)))
+        specs = list(dict.fromkeys(specs + _layer_specs(args)))
     except (OSError, ValueError) as exc:
         print(f"vllm-megamoe precompile: {exc}", file=sys.stderr)
         return 2
+    if not specs:
+        print("vllm-megamoe precompile: nothing to compile: give recorded spec FILEs or --shape",
+              file=sys.stderr)
+        return 2
+    if args.dry_run:
+        try:
+            compiler = args.compiler or jit.choose_compiler()
+        except (jit.KernelCompileError, ValueError) as exc:  # the keys name the compiler; list without them
+            compiler = None
+            print(f"vllm-megamoe precompile: no cache keys: {exc}", file=sys.stderr)
+        for spec in specs:
+            print(_describe(spec) + (f" {jit.cache_key(spec, compiler)[:12]}" if compiler else ""))
+        print(f"{len(specs)} kernels (--dry-run: none compiled)")
+        return 0
     compiled = cached = 0
     start = time.monotonic()
     try:
         for i, kernel in enumerate(jit.precompile(specs, args.compiler), 1):
             compiled, cached = compiled + (not kernel.from_cache), cached + kernel.from_cache
-            print(f"[{i}/{len(specs)}] {'cached  ' if kernel.from_cache else 'compiled'} {kernel.spec.name} "
+            print(f"[{i}/{len(specs)}] {'cached  ' if kernel.from_cache else 'compiled'} {_describe(kernel.spec)} "
                   f"{kernel.key[:12]} ({time.monotonic() - start:.0f} s)", flush=True)
     except (jit.KernelCompileError, FileNotFoundError, ImportError) as exc:
         print(f"vllm-megamoe precompile: {exc}", file=sys.stderr)
         return 1
     print(f"{len(specs)} kernels in {jit.cache_dir()}: {compiled} compiled, {cached} already there")
     return 0
+
+
+def _layer_specs(args) -> list:
+    """The SM90 builds of --shape layers (none without --shape)."""
+    if not args.shape:
+        for flag, value in (("--format", args.format), ("--max-tokens-per-rank", args.max_tokens_per_rank)):
+            if value is not None:
+                raise ValueError(f"{flag} describes --shape layers; give --shape too")
+        return []
+    # The server's settings decide its builds: the plugin's (VLLM_MEGAMOE_* and the YAML file of
+    # VLLM_MEGAMOE_CONFIG, whose kernel keys this exports to the environment as the plugin does).
+    from .plugin.settings import load_settings
+    configured = load_settings().max_tokens_per_rank
+    tokens = args.max_tokens_per_rank if args.max_tokens_per_rank is not None else configured
+    if args.format is None or tokens is None:
+        raise ValueError("--shape needs --format and --max-tokens-per-rank (the worker's SymmBuffer: "
+                         "the values megamoe's startup log line prints)")
+    from .kernels import sm90_mega_moe
+    from .shape import MoEShape
+    shapes = [MoEShape.parse(text) for text in args.shape]
+    return sm90_mega_moe.layer_kernel_specs(shapes, args.format, args.ep_size, tokens)
+
+
+def _describe(spec) -> str:
+    from .kernels import sm90_mega_moe
+    return sm90_mega_moe.describe_spec(spec) if spec.source == sm90_mega_moe.SOURCE else spec.name
 
 
 def _bench(args) -> int:
@@ -73,9 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     p = sub.add_parser("precompile",
-                       help="compile the kernels a run recorded (VLLM_MEGAMOE_JIT_RECORD=FILE) into the JIT cache "
-                       "(VLLM_MEGAMOE_CACHE_DIR); needs no GPU")
-    p.add_argument("files", nargs="+", metavar="FILE", help="VLLM_MEGAMOE_JIT_RECORD files (JSON lines)")
+                       help="compile SM90 kernels into the JIT cache (VLLM_MEGAMOE_CACHE_DIR) without a GPU: those a "
+                       "run recorded (VLLM_MEGAMOE_JIT_RECORD=FILE), or every build layers of --shape may load")
+    p.add_argument("files", nargs="*", metavar="FILE", help="VLLM_MEGAMOE_JIT_RECORD files (JSON lines)")
+    p.add_argument("--shape", action="append", metavar="HxIxExK",
+                   help="a MoE layer: hidden x intermediate x experts (global) x top-k, e.g. 4096x2048x256x6 "
+                   "(repeat for layers of several shapes served by one buffer)")
+    p.add_argument("--format", choices=("fp8-block", "bf16"), help="the layers' weight format (with --shape)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (with --shape; default 1)")
+    p.add_argument("--max-tokens-per-rank", type=int,
+                   help="the worker buffer's tokens per rank (with --shape): the server's max_tokens_per_rank "
+                   "setting, else vLLM's --max-num-batched-tokens (default: that setting where it is set)")
+    p.add_argument("--dry-run", action="store_true", help="list the kernels and their cache keys, compile nothing")
     p.add_argument("--compiler", choices=("nvrtc", "nvcc"), default=None,
                    help="default: VLLM_MEGAMOE_JIT_COMPILER's choice (NVRTC when it loads)")
     p.set_defaults(func=_precompile)

@@ -94,3 +94,24 @@ class MoEShape:
         """True when a buffer built for `other` can serve a layer of this shape."""
         return (self.hidden <= other.hidden and self.intermediate <= other.intermediate
                 and self.num_experts <= other.num_experts and self.topk <= other.topk)
+
+    @classmethod
+    def covering(cls, shapes) -> "MoEShape":
+        """The smallest shape every one of `shapes` fits in (fits_in): the shape of a buffer that
+        serves all those layers."""
+        shapes = list(shapes)
+        require(len(shapes) > 0, "no layer shapes to cover")
+        return cls(max(s.hidden for s in shapes), max(s.intermediate for s in shapes),
+                   max(s.num_experts for s in shapes), max(s.topk for s in shapes))
+
+    @classmethod
+    def parse(cls, text: str) -> "MoEShape":
+        """HIDDENxINTERMEDIATExEXPERTSxTOPK (global experts), e.g. 4096x2048x256x6; see spec()."""
+        parts = text.strip().lower().split("x")
+        require(len(parts) == 4 and all(p.isdigit() for p in parts),
+                f"shape {text!r} must be HIDDENxINTERMEDIATExEXPERTSxTOPK, e.g. 4096x2048x256x6")
+        return cls(*(int(p) for p in parts))
+
+    def spec(self) -> str:
+        """The shape as parse() reads it."""
+        return f"{self.hidden}x{self.intermediate}x{self.num_experts}x{self.topk}"

@@ -120,6 +120,8 @@ def nvrtc_version() -> tuple[int, int]:
 def find_nvcc() -> str | None:
     explicit = os.environ.get("VLLM_MEGAMOE_NVCC")
     if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise KernelCompileError(f"VLLM_MEGAMOE_NVCC={explicit!r} is not an executable file (point it at nvcc)")
         return explicit
     found = shutil.which("nvcc")
     if found:

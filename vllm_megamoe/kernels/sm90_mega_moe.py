@@ -57,6 +57,18 @@ class _Params(ctypes.Structure):
 
 def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
     """Whether this kernel handles the layer, and if not, why (for the path oracle's log line)."""
+    ok, why = supports_layer(shape, fmt, num_ranks)
+    if not ok:
+        return ok, why
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False, "cuda-python is not installed (pip install 'vllm-megamoe[cuda]')"
+    return True, "supported"
+
+
+def supports_layer(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
+    """supports() without the driver bindings: whether the kernel builds for this layer."""
     el = shape.num_experts // max(num_ranks, 1)
     checks = [
         (shape.hidden % TILE_ROWS == 0, f"hidden={shape.hidden} is not a multiple of {TILE_ROWS}"),
@@ -68,10 +80,6 @@ def supports(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str]:
     for ok, why in checks:
         if not ok:
             return False, why
-    try:
-        import cuda.bindings.driver  # noqa: F401
-    except ImportError:
-        return False, "cuda-python is not installed (pip install 'vllm-megamoe[cuda]')"
     return True, "supported"
 
 
@@ -88,8 +96,28 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
            has_epilogue_warpgroup(choice.mainloop, choice.tile, shape, buffer.layout.num_ranks), sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile))
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
-        cache[key] = _make_spec(shape, buffer, choice, ablate, trace, trace_task, jit.csrc_override())
+        cache[key] = _make_spec(shape, buffer.layout, choice, ablate, trace, trace_task, jit.csrc_override())
     return cache[key]
+
+
+def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: int) -> list[jit.KernelSpec]:
+    """Every build the op may load for layers of `shapes` served by one buffer of `num_ranks` ranks
+    and `max_tokens_per_rank` (the buffer covers every shape, as the plugin's worker buffer does):
+    what `load_kernel` compiles at each layer's first call, under the same VLLM_MEGAMOE_* settings.
+    Needs no GPU; `vllm-megamoe precompile --shape` compiles them ahead of time."""
+    from ..layout import BufferLayout
+    shapes = list(dict.fromkeys(shapes))
+    layout = BufferLayout(MoEShape.covering(shapes), num_ranks, max_tokens_per_rank, fmt)
+    ablate, trace = ablation_from_env(), chunk_trace_from_env()
+    trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
+    specs = []
+    for shape in shapes:
+        shape.validate(num_ranks)
+        ok, why = supports_layer(shape, fmt, num_ranks)
+        require(ok, f"the SM90 kernel does not run layer {shape.spec()}: {why}")
+        specs += [_make_spec(shape, layout, choice, ablate, trace, trace_task, jit.csrc_override())
+                  for choice in sm90_tuning.choices(shape, fmt, num_ranks)]
+    return list(dict.fromkeys(specs))
 
 
 # Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|
@@ -141,9 +169,10 @@ def chunk_trace_task_from_env() -> int:
     return int(raw)
 
 
-def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int = 0,
+def _make_spec(shape: MoEShape, layout, choice: Choice, ablate: int = 0,
                trace: bool = False, trace_task: int = DEFAULT_TRACE_TASK, csrc: str = "") -> jit.KernelSpec:
-    fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
+    """The build of `choice` for layer `shape` on a buffer of `layout` (layout.BufferLayout)."""
+    fmt, ranks = layout.format, layout.num_ranks
     require(sm90_tuning.tile_supported(fmt, choice.tile, choice.mainloop),
             f"FP8 128-token tiles need the tma mainloop (not {choice.mainloop!r}: its partial sums do not fit "
             "the registers); set VLLM_MEGAMOE_SM90_MAINLOOP=tma or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
@@ -151,7 +180,7 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
             f"FP8 128-token tiles need {sm90_tuning.FP8_TILE128_MIN_STAGES} or more stages (not {choice.stages}: "
             "the register-token K loop keeps one chunk's wgmmas in flight); set VLLM_MEGAMOE_SM90_STAGES to "
             f"{sm90_tuning.FP8_TILE128_MIN_STAGES} or more, or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
-    defines = buffer.layout.c_defines()
+    defines = layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
                    MEGAMOE_FP8=int(fmt == "fp8-block"), MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[choice.mainloop],
@@ -180,6 +209,22 @@ def _make_spec(shape: MoEShape, buffer: SymmBuffer, choice: Choice, ablate: int 
                        "when called with a phase clock")
         defines.update(MEGAMOE_CHUNK_TRACE=1, MEGAMOE_TRACE_TASK=trace_task)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines, csrc=csrc)
+
+
+def describe_spec(spec: jit.KernelSpec) -> str:
+    """One line naming a build of this kernel: layer shape, format, EP size, buffer tokens per rank,
+    mainloop / stages / token tile (sm90_tuning.Choice.label) and its other switches."""
+    d = spec.define
+    mainloop = {str(v): k for k, v in MAINLOOPS.items()}.get(d("MEGAMOE_SMEM_MAINLOOP"), "?")
+    extras = [name for name, define in (("epilogue warpgroup", "MEGAMOE_EPILOGUE_WARPGROUP"),
+                                        ("evict-first weights", "MEGAMOE_WEIGHTS_EVICT_FIRST"),
+                                        ("chunk trace", "MEGAMOE_CHUNK_TRACE")) if d(define) == "1"]
+    if d("MEGAMOE_ABLATE"):
+        extras.append(f"ablate={d('MEGAMOE_ABLATE')}")
+    return (f"{d('MEGAMOE_HIDDEN')}x{d('MEGAMOE_INTERMEDIATE')}x{d('MEGAMOE_NUM_EXPERTS')}x{d('MEGAMOE_TOPK')} "
+            f"{'fp8-block' if d('MEGAMOE_FP8') == '1' else 'bf16'} EP{d('MEGAMOE_NUM_RANKS')} "
+            f"T={d('MEGAMOE_MAX_TOKENS')} {mainloop}/{d('MEGAMOE_MAINLOOP_STAGES', '-')}/{d('MEGAMOE_TILE_TOKENS')}"
+            + "".join(f", {e}" for e in extras))
 
 
 def dynamic_smem_bytes(spec: jit.KernelSpec) -> int:

@@ -135,10 +135,7 @@ def ensure_buffer() -> Optional[SymmBuffer]:
     tokens = max_tokens_per_rank()
     if all(STATE.paths[(i.shape, _path_format(i), str(i.device))][0] == "sm100" for i in STATE.layers):
         return _ensure_sm100_buffers(first, tokens)
-    shape = MoEShape(max(i.shape.hidden for i in STATE.layers),
-                     max(i.shape.intermediate for i in STATE.layers),
-                     max(i.shape.num_experts for i in STATE.layers),
-                     max(i.shape.topk for i in STATE.layers))
+    shape = MoEShape.covering(i.shape for i in STATE.layers)
     buf = SymmBuffer(shape, tokens, first.group, format=first.format, device=first.device,
                      timeout_s=settings().timeout_s)
     if buf.rank != first.ep_rank:
@@ -160,7 +157,18 @@ def ensure_buffer() -> Optional[SymmBuffer]:
                          for c in sm90_tuning.choices(i.shape, first.format, buf.num_ranks)})
         logger.info("megamoe: SM90 kernel builds (mainloop/stages/token tile) for these layers: %s; tuning "
                     "table %s", ", ".join(builds), sm90_tuning.table_path() or "none (heuristic)")
+        logger.info("megamoe: to compile them before the server starts (no GPU needed; same VLLM_MEGAMOE_* "
+                    "settings and cache_dir): %s", precompile_command(buf))
     return buf
+
+
+def precompile_command(buf: SymmBuffer) -> str:
+    """The `vllm-megamoe precompile` command line that compiles every SM90 build the registered
+    layers load on `buf` (sm90_mega_moe.layer_kernel_specs)."""
+    shapes = sorted({i.shape.spec() for i in STATE.layers})
+    return ("vllm-megamoe precompile " + " ".join(f"--shape {s}" for s in shapes)
+            + f" --format {buf.layout.format} --ep-size {buf.num_ranks}"
+            f" --max-tokens-per-rank {buf.layout.max_tokens_per_rank}")
 
 
 def _path_format(info: LayerInfo) -> str:
