@@ -53,7 +53,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit, filled by
-# `vllm-megamoe precompile tests/gpu/jit_specs.jsonl` and kernel_probe --compile-only); every step
+# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or PLAN=ep1) before the call, carry [".probe_jit"]:
+# ~75 builds the EP2 steps load, ~3 min of this machine's CPU instead of the device's); every step
 # records the kernels it loads into $OUT/jit_specs.jsonl: merged into tests/gpu/jit_specs.jsonl,
 # the next session compiles them here before its device calls (v30: with the cache filled the
 # one-GPU tests took 40 s instead of 217 s). A spec records the defines of its build, so the file
@@ -89,13 +90,13 @@ case "${STEP:-verify}" in
   probe)    # ~7 min: per-phase probes of the table's builds next to forced token tiles and 5 stages
     T0=$(date +%s); left() { echo $(( 540 - ($(date +%s) - T0) )); }
     timeout 250 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes v4-flash --tokens 1 8 128 512 1024 8192 \
-      --variants ${VARIANTS:-default tile=32 tile=64 stages=5} --out "$OUT/probe_v4.json" 2>&1 | tail -26
+      --variants ${VARIANTS:-default tile=32 tile=64 stages=5,tile=32} --out "$OUT/probe_v4.json" 2>&1 | tail -26
     [ "$(left)" -gt 60 ] && timeout $(( $(left) - 5 )) python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} \
       --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 8 128 1024 8192 --variants ${VARIANTS:-default tile=32 tile=64} \
       --out "$OUT/probe_shapes.json" 2>&1 | tail -21 ;;
   decode)   # ~3 min: where a handful of tokens per rank spends its time, per rank (kernel_probe per_rank)
     timeout 240 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
-      --tokens ${TOKENS:-1 8} --variants ${VARIANTS:-default stages=5 trace=1,trace_task=0} --out "$OUT/probe_decode.json" 2>&1 | tail -50 ;;
+      --tokens ${TOKENS:-1 8} --variants ${VARIANTS:-default stages=5,tile=32 trace=1,trace_task=0} --out "$OUT/probe_decode.json" 2>&1 | tail -50 ;;
   bench)
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1

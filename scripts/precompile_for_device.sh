@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# No GPU: compile into .probe_jit (or VLLM_MEGAMOE_CACHE_DIR) the SM90 builds the next device calls of
+# scripts/device_next_session.sh load, so the device spends its minutes running them, not compiling
+# (NVRTC here is the device's 13.0, and the cache keys hold only sources, defines and compiler).
+# Carry the folder (`run` carry [".probe_jit"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit there.
+#   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=bench
+#   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl) and STEP=wg128
+# A build missing here is still compiled on the device at its first call (a test's forced
+# setting not listed below, a changed test buffer): this saves time, it decides nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PY:-.venv/bin/python}"
+export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-$PWD/.probe_jit}"
+pc() { "$PY" -m vllm_megamoe.cli precompile "$@" | tail -1; }
+probe() { "$PY" -m benchmarks.kernel_probe --compile-only "$@" 2>/dev/null | grep -c -E "compiled|cached" | sed 's/$/ probe builds/'; }
+V4=4096x2048x256x6 DSV3=7168x2048x256x8 QWEN3=2048x768x128x8 DSV3_64E=7168x2048x64x8 SMALL=512x384x24x5
+case "${PLAN:-ep2}" in
+  ep2)
+    # tests/gpu/test_sm90_mega_moe.py on 2 ranks (mega_cases.SHAPES; buffers of the cases' largest count)
+    for s in $SMALL $QWEN3 $V4 $DSV3_64E; do
+      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 4096; done
+    done
+    VLLM_MEGAMOE_SM90_TOKEN_TILE=64 pc --shape $V4 --format fp8-block --ep-size 2 --max-tokens-per-rank 4096
+    pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 62   # back-to-back calls
+    pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 16   # missing peer
+    for f in fp8-block bf16; do pc --shape $QWEN3 --format $f --ep-size 2 --max-tokens-per-rank 64; done  # CUDA graphs
+    # STEP=decode, then STEP=bench (buffers of 8192 tokens per rank)
+    probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1 8 --variants default stages=5,tile=32 trace=1,trace_task=0
+    for s in $V4 $DSV3 $QWEN3; do
+      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 8192; done
+    done ;;
+  ep1)
+    pc tests/gpu/jit_specs.jsonl
+    probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
+      --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue ;;
+  *) echo "unknown PLAN=${PLAN}: ep2 or ep1"; exit 2 ;;
+esac
+du -sh "$VLLM_MEGAMOE_CACHE_DIR"

@@ -1,0 +1,80 @@
+"""The kernel probes scripts/device_next_session.sh runs on a device, checked here without one: every
+build each probe's default arguments load (every shape, variant and EP size) must be one the host
+accepts (its shared memory fits, its knobs are valid). A probe whose build does not fit fails at its
+first call, after the device time to reach it is spent (v32: `stages=5` beside the 128-token builds)."""
+import pathlib
+import re
+
+import pytest
+
+from benchmarks import kernel_probe as kp
+from vllm_megamoe.kernels import sm90_mega_moe
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "device_next_session.sh"
+DEFAULT_SHAPES = ["v4-flash", "deepseek-v3", "qwen3-30b-a3b"]  # kernel_probe's --shapes default
+
+
+def _default(word: str) -> str:
+    """`${NAME:-a b}` -> `a b`; a literal stays."""
+    m = re.fullmatch(r"\$\{\w+:-(.*)\}", word)
+    return m.group(1) if m else word
+
+
+def _flag(command: str, flag: str):
+    """The words after `flag` up to the next flag, with ${X:-default} expanded to its default."""
+    m = re.search(rf"{flag} ((?:\$\{{\w+:-[^}}]*\}}|[^-\s][^\s]*)(?: (?:\$\{{\w+:-[^}}]*\}}|[^-\s][^\s]*))*)", command)
+    if not m:
+        return None
+    words = []
+    for word in re.findall(r"\$\{\w+:-[^}]*\}|\S+", m.group(1)):
+        words += _default(word).split()
+    return words
+
+
+def probe_commands() -> list[str]:
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or "benchmarks.kernel_probe" not in line:
+            continue
+        commands.append(re.split(r"2>&1|>", line.split("benchmarks.kernel_probe", 1)[1])[0])
+    return commands
+
+
+def probe_builds():
+    cases = []
+    for command in probe_commands():
+        gpus = _flag(command, "--gpus") or ["2"]
+        worlds = {1, int(gpus[0])} if "GPUS" in command else {int(gpus[0])}  # GPUS=1: the EP1 runs
+        shapes = [s for s in (_flag(command, "--shapes") or DEFAULT_SHAPES) if "$" not in s]
+        fmt = (_flag(command, "--format") or ["fp8-block"])[0]
+        tokens = max(int(t) for t in (_flag(command, "--tokens") or ["8192"]) if t.isdigit())
+        variants = [v for v in (_flag(command, "--variants") or ["default"]) if "$" not in v]
+        for world in sorted(worlds):
+            for shape in shapes:
+                for variant in variants:
+                    cases.append((world, shape, fmt, tokens, variant))
+    return cases
+
+
+def test_the_script_has_probes():
+    cases = probe_builds()
+    assert len(probe_commands()) >= 15 and len(cases) >= 100
+    assert (2, "qwen3-30b-a3b", "fp8-block", 8, "stages=5,tile=32") in cases  # STEP=decode
+    assert (1, "qwen3-30b-a3b", "fp8-block", 8192, "epilogue_wg128=1,ablate=epilogue") in cases  # STEP=wg128
+
+
+@pytest.mark.parametrize("world, shape, fmt, tokens, variant", probe_builds())
+def test_every_probe_build_is_accepted(world, shape, fmt, tokens, variant, monkeypatch):
+    for name in kp.KNOBS.values():
+        monkeypatch.delenv(name, raising=False)
+    with kp.scoped_env(kp.variant_env(variant)):
+        specs = sm90_mega_moe.layer_kernel_specs([kp.probe_shape(shape)], fmt, world, tokens)
+    assert specs
+
+
+def test_a_build_that_does_not_fit_is_caught(monkeypatch):
+    """What the check above guards against: 5 stages forced beside a 128-token build."""
+    with kp.scoped_env(kp.variant_env("stages=5")):
+        with pytest.raises(ValueError, match="5 stages of the tma mainloop need"):
+            sm90_mega_moe.layer_kernel_specs([kp.probe_shape("qwen3-30b-a3b")], "fp8-block", 2, 8)
