@@ -192,8 +192,9 @@ def _make_spec(shape: MoEShape, layout, choice: Choice, ablate: int = 0,
                                    epilogue_tables_in_mainloop(shape, choice.tile), epilogue_wg)
         require(smem + static <= SMEM_PER_BLOCK,
                 f"{choice.stages} stages of the {choice.mainloop} mainloop need {smem} + {static} bytes of shared "
-                f"memory for hidden={shape.hidden} (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "
-                "(VLLM_MEGAMOE_SM90_STAGES or the tuning table)")
+                f"memory for hidden={shape.hidden} at {choice.tile}-token tiles (an SM90 CTA has {SMEM_PER_BLOCK}); "
+                "use fewer stages (VLLM_MEGAMOE_SM90_STAGES or the tuning table), or with a forced stage count "
+                "a smaller token tile (VLLM_MEGAMOE_SM90_TOKEN_TILE: a layer loads every tile it may run)")
         defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
     if epilogue_wg:
         defines.update(MEGAMOE_EPILOGUE_WARPGROUP=1)
