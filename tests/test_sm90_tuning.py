@@ -278,6 +278,22 @@ def test_doctor_names_the_build_and_reports_bad_settings(clean_env):
     assert doctor._sm90_build().startswith("8 tok/rank -> tma/4/32, 4096 tok/rank -> tma/4/128")  # 192 rows per expert
     clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "12")
     assert doctor._sm90_build().startswith("error: VLLM_MEGAMOE_SM90_STAGES='12'")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "5")  # valid, but the 128-token build cannot hold 5
+    assert doctor._sm90_build().startswith("error: 5 stages of the tma mainloop need")
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "32")
+    assert doctor._sm90_build().startswith("8 tok/rank -> tma/5/32, 4096 tok/rank -> tma/5/32")
+
+
+def test_doctor_names_the_kernel_compiler(clean_env, tmp_path):
+    from vllm_megamoe import doctor
+    from vllm_megamoe.kernels import jit
+    clean_env.setenv("VLLM_MEGAMOE_JIT_COMPILER", "nvcc")
+    clean_env.setenv("VLLM_MEGAMOE_NVCC", str(tmp_path / "nvcc"))
+    assert doctor._compiler().startswith("none: VLLM_MEGAMOE_NVCC=")
+    clean_env.delenv("VLLM_MEGAMOE_NVCC")
+    clean_env.setenv("VLLM_MEGAMOE_JIT_COMPILER", "nvrtc")
+    if jit.nvrtc_available():
+        assert doctor._compiler().startswith("nvrtc %d.%d; cache " % jit.nvrtc_version())
 
 
 def test_plugin_settings_offer_what_the_core_accepts():

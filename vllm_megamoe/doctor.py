@@ -47,13 +47,26 @@ def _path(fmt: str, device) -> str:
 
 def _sm90_build() -> str:
     """The SM90 kernel build the V4-Flash-like probe layer would run at EP2 (decode / prefill)."""
-    from .kernels import sm90_tuning
+    from .kernels import sm90_mega_moe, sm90_tuning
     try:
         table = sm90_tuning.table_path()
         picks = [f"{t} tok/rank -> {sm90_tuning.choose(PROBE_SHAPE, 'fp8-block', 2, t).label()}" for t in (8, 4096)]
+        # every build the layer loads at its first call must fit (a forced stage count may not)
+        sm90_mega_moe.layer_kernel_specs([PROBE_SHAPE], "fp8-block", 2, 4096)
     except ValueError as exc:  # a bad setting or table: say which
         return f"error: {exc}"
     return f"{', '.join(picks)} (mainloop/stages/tile; table {table or 'none: heuristic'})"
+
+
+def _compiler() -> str:
+    """What compiles the SM90 kernels here (at a layer's first call, or `vllm-megamoe precompile`)."""
+    from .kernels import jit
+    try:
+        compiler = jit.choose_compiler()
+        version = "%d.%d" % jit.nvrtc_version() if compiler == "nvrtc" else jit.nvcc_version(jit.find_nvcc())
+    except (jit.KernelCompileError, ValueError, OSError) as exc:
+        return f"none: {exc}"
+    return f"{compiler} {version}; cache {jit.cache_dir()}"
 
 
 def collect() -> list[tuple[str, str]]:
@@ -79,6 +92,7 @@ def collect() -> list[tuple[str, str]]:
     for fmt in ("fp8-block", "bf16"):
         rows.append((f"path ({fmt})", _path(fmt, device)))
     rows.append(("SM90 build (fp8, EP2)", _sm90_build()))
+    rows.append(("kernel compiler", _compiler()))
     return rows
 
 
