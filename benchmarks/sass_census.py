@@ -133,7 +133,6 @@ def parse_build(spec: str) -> tuple[str, str, int, str]:
 def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
     """The cubin and ptxas log of a build (NVRTC, no cache), from csrc_dir if given."""
     from benchmarks.kernel_probe import probe_shape, scoped_env
-    from vllm_megamoe import BufferLayout
     from vllm_megamoe.kernels import jit, sm90_mega_moe
 
     shape_name, fmt, tile, mainloop = parse_build(spec)
@@ -142,11 +141,10 @@ def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
     if csrc_dir:
         env["VLLM_MEGAMOE_CSRC_DIR"] = csrc_dir
 
-    class _Buffer:  # what kernel_spec reads of a SymmBuffer
-        layout = BufferLayout(shape, 2, 4096, fmt)
-
     with scoped_env(env, unset=() if csrc_dir else ("VLLM_MEGAMOE_CSRC_DIR",)):
-        compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buffer()), "nvrtc", use_cache=False)
+        # the layer's first build (its only tile here) on an EP2 buffer of 4096 tokens per rank
+        spec = sm90_mega_moe.layer_kernel_specs([shape], fmt, 2, 4096)[0]
+        compiled = jit.compile_kernel(spec, "nvrtc", use_cache=False)
     return compiled.cubin, compiled.log
 
 
