@@ -27,23 +27,23 @@ def test_shape_parse_spec_and_covering():
         MoEShape.covering([])
 
 
-class _Layer:
-    def __init__(self, shape):
-        self.shape = shape
-
-
 def _op_specs(rank, world, group, fmt, tokens):
     """What the op loads on a worker buffer covering LAYERS (plugin.runtime.ensure_buffer's shape),
     and the command line the worker logs for it."""
     buf = SymmBuffer(MoEShape.covering(LAYERS), tokens, group, format=fmt, device="cpu")
     specs = [jit.spec_to_json(sm90_mega_moe.kernel_spec(shape, buf, choice))
              for shape in LAYERS for choice in sm90_tuning.choices(shape, fmt, world)]
-    saved = runtime.STATE.layers
-    runtime.STATE.layers = [_Layer(s) for s in LAYERS]
+    # what the worker registered: LAYERS on the SM90 path, and a layer the portable path runs (left out)
+    portable_layer = MoEShape(1024, 768, 16, 2)
+    saved = runtime.STATE.layers, runtime.STATE.paths
+    runtime.STATE.layers = [runtime.LayerInfo(f"layer{i}", s, fmt, buf.device, group, rank, world)
+                            for i, s in enumerate([*LAYERS, portable_layer])]
+    runtime.STATE.paths = {(s, fmt, str(buf.device)): ("portable" if s == portable_layer else "sm90", "test")
+                           for s in [*LAYERS, portable_layer]}
     try:
         command = runtime.precompile_command(buf)
     finally:
-        runtime.STATE.layers = saved
+        runtime.STATE.layers, runtime.STATE.paths = saved
     buf.destroy()
     return specs, command
 

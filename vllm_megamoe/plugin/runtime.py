@@ -164,8 +164,9 @@ def ensure_buffer() -> Optional[SymmBuffer]:
 
 def precompile_command(buf: SymmBuffer) -> str:
     """The `vllm-megamoe precompile` command line that compiles every SM90 build the registered
-    layers load on `buf` (sm90_mega_moe.layer_kernel_specs)."""
-    shapes = sorted({i.shape.spec() for i in STATE.layers})
+    layers that run the SM90 path load on `buf` (sm90_mega_moe.layer_kernel_specs)."""
+    shapes = sorted({i.shape.spec() for i in STATE.layers
+                     if STATE.paths.get((i.shape, _path_format(i), str(i.device)), ("sm90",))[0] == "sm90"})
     return ("vllm-megamoe precompile " + " ".join(f"--shape {s}" for s in shapes)
             + f" --format {buf.layout.format} --ep-size {buf.num_ranks}"
             f" --max-tokens-per-rank {buf.layout.max_tokens_per_rank}")
