@@ -35,6 +35,7 @@
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
+#   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
 #   STEP=inproc  one_gpu's one-process A/B alone (this tree and the BASES trees), one GPU
@@ -292,5 +293,10 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-fp8-block} --shapes qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue \
       ablate=epilogue --rounds 3 --iters 300 --out "$OUT/probe_wg128.json" 2>&1 | tail -26 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem or ncu_src"; exit 2 ;;
+  nvl_stores) # ~3 min, 2 GPUs: what the FP8 128-token L2 epilogue's stores cost at EP2, where half its
+            # combine rows go to the peer over NVLink in 64-byte runs (kernel_notes v21 (d); at EP1 the
+            # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
+    timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
+      --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src or nvl_stores"; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 # scripts/device_next_session.sh load, so the device spends its minutes running them, not compiling
 # (NVRTC here is the device's 13.0, and the cache keys hold only sources, defines and compiler).
 # Carry the folder (`run` carry [".probe_jit"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit there.
-#   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=bench
+#   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
 #   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl) and STEP=wg128
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
@@ -24,8 +24,9 @@ case "${PLAN:-ep2}" in
     pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 62   # back-to-back calls
     pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 16   # missing peer
     for f in fp8-block bf16; do pc --shape $QWEN3 --format $f --ep-size 2 --max-tokens-per-rank 64; done  # CUDA graphs
-    # STEP=decode, then STEP=bench (buffers of 8192 tokens per rank)
+    # STEP=decode, STEP=nvl_stores, then STEP=bench (buffers of 8192 tokens per rank)
     probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1 8 --variants default stages=5,tile=32 trace=1,trace_task=0
+    probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=stores
     for s in $V4 $DSV3 $QWEN3; do
       for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 8192; done
     done ;;
