@@ -92,8 +92,8 @@ def test_dry_run_lists_builds_and_keys(capsys):
 @pytest.mark.parametrize("argv, message", [
     ([], "nothing to compile"),
     (["--shape", "4096x2048x256x6"], "--shape needs --format and --max-tokens-per-rank"),
-    (["--format", "bf16"], "--format describes --shape layers"),
-    (["--max-tokens-per-rank", "8"], "--max-tokens-per-rank describes --shape layers"),
+    (["--format", "bf16"], "--format describes --shape or --model layers"),
+    (["--max-tokens-per-rank", "8"], "--max-tokens-per-rank describes --shape or --model layers"),
     (["--shape", "4096x2048x256", "--format", "bf16", "--max-tokens-per-rank", "8"], "HIDDENxINTERMEDIATExEXPERTSxTOPK"),
     (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "8", "--ep-size", "3"],
      "num_experts=256 must be divisible by num_ranks=3"),
@@ -106,6 +106,54 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert cli.main(["precompile", *argv, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vllm-megamoe precompile: ") and message in err, err
+
+
+@pytest.mark.parametrize("convention, fmt", [("qwen", "bf16"), ("mixtral", "bf16"), ("deepseek-fp8", "fp8-block"),
+                                             ("stacked-linear", "bf16")])
+def test_model_gives_the_layers_shapes(convention, fmt, tmp_path):
+    """--model reads a checkpoint's MoE layers (headers and config only) and gives the builds of the
+    shapes the plugin registers: global experts, top-k from the config, the format the experts load in."""
+    from convert_checkpoints import make_checkpoint
+    root = str(tmp_path / convention)
+    make_checkpoint(root, convention, layers=3, experts=8, hidden=512, inter=256)
+    shape = MoEShape(512, 256, 8, 2)  # config_for's num_experts_per_tok
+    for ep in (1, 2):
+        argv = ["precompile", "--model", root, "--ep-size", str(ep), "--max-tokens-per-rank", "96"]
+        assert _cli_specs(argv) == sm90_mega_moe.layer_kernel_specs([shape], fmt, ep, 96)
+        assert _cli_specs([*argv, "--shape", "256x256x8x2", "--format", fmt]) == \
+            sm90_mega_moe.layer_kernel_specs([MoEShape(256, 256, 8, 2), shape], fmt, ep, 96)
+    # TP without EP: each rank's slice of the intermediate; EPLB's redundant experts join the global count
+    argv = ["precompile", "--model", root, "--max-tokens-per-rank", "96"]
+    assert _cli_specs([*argv, "--tensor-parallel-size", "2"]) == \
+        sm90_mega_moe.layer_kernel_specs([MoEShape(512, 128, 8, 2)], fmt, 1, 96)
+    assert _cli_specs([*argv, "--ep-size", "2", "--tensor-parallel-size", "2"]) == \
+        sm90_mega_moe.layer_kernel_specs([shape], fmt, 2, 96)
+    assert _cli_specs([*argv, "--ep-size", "2", "--num-redundant-experts", "2"]) == \
+        sm90_mega_moe.layer_kernel_specs([MoEShape(512, 256, 10, 2)], fmt, 2, 96)
+
+
+def test_model_of_a_converted_checkpoint_and_bad_models(tmp_path, capsys):
+    from convert_checkpoints import make_checkpoint
+    from vllm_megamoe.convert import convert_checkpoint
+    src, dst = str(tmp_path / "src"), str(tmp_path / "sm90-bf16")
+    make_checkpoint(src, "deepseek-fp8", layers=3, experts=8, hidden=512, inter=256)
+    convert_checkpoint(src, dst, arch="sm90", fmt="bf16", log=lambda msg: None)
+    argv = ["precompile", "--model", dst, "--ep-size", "2", "--max-tokens-per-rank", "96"]
+    assert _cli_specs(argv) == sm90_mega_moe.layer_kernel_specs([MoEShape(512, 256, 8, 2)], "bf16", 2, 96)
+    for extra, message in (
+            (["--format", "fp8-block"], f"--format fp8-block, but {dst}'s MoE experts load as bf16"),
+            (["--tensor-parallel-size", "4"], "intermediate 256 / tensor-parallel 4): intermediate=64 must be"),
+            (["--tensor-parallel-size", "3"], "intermediate 256 does not split over 3 tensor-parallel ranks"),
+            (["--ep-size", "3"], "num_experts=8 must be divisible by num_ranks=3")):
+        argv = ["precompile", "--model", dst, "--max-tokens-per-rank", "96", "--dry-run", *extra]
+        assert cli.main(argv) == 2
+        assert message in capsys.readouterr().err, extra
+    sm100 = str(tmp_path / "sm100")
+    convert_checkpoint(src, sm100, arch="sm100", fmt="bf16", log=lambda msg: None)
+    assert cli.main(["precompile", "--model", sm100, "--max-tokens-per-rank", "96", "--dry-run"]) == 2
+    assert "was converted for sm100, not the SM90 kernel" in capsys.readouterr().err
+    assert cli.main(["precompile", "--model", str(tmp_path / "none"), "--max-tokens-per-rank", "96"]) == 2
+    assert "config.json" in capsys.readouterr().err
 
 
 def test_the_plugin_settings_apply(tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ def _precompile(args) -> int:
         print(f"vllm-megamoe precompile: {exc}", file=sys.stderr)
         return 2
     if not specs:
-        print("vllm-megamoe precompile: nothing to compile: give recorded spec FILEs or --shape",
+        print("vllm-megamoe precompile: nothing to compile: give recorded spec FILEs, --shape or --model",
               file=sys.stderr)
         return 2
     if args.dry_run:
@@ -54,24 +54,33 @@ def _precompile(args) -> int:
 
 
 def _layer_specs(args) -> list:
-    """The SM90 builds of --shape layers (none without --shape)."""
-    if not args.shape:
+    """The SM90 builds of the --shape / --model layers (none without either)."""
+    if not args.shape and not args.model:
         for flag, value in (("--format", args.format), ("--max-tokens-per-rank", args.max_tokens_per_rank)):
             if value is not None:
-                raise ValueError(f"{flag} describes --shape layers; give --shape too")
+                raise ValueError(f"{flag} describes --shape or --model layers; give one of them too")
         return []
+    from .shape import MoEShape
+    shapes, fmt = [MoEShape.parse(text) for text in args.shape or []], args.format
+    if args.model:
+        from .convert.inspection import inspect_checkpoint, sm90_layer_shapes
+        model_shapes, model_fmt = sm90_layer_shapes(
+            inspect_checkpoint(args.model), ep_size=args.ep_size, tp_size=args.tensor_parallel_size,
+            redundant_experts=args.num_redundant_experts)
+        if fmt is not None and fmt != model_fmt:
+            raise ValueError(f"--format {fmt}, but {args.model}'s MoE experts load as {model_fmt}")
+        shapes, fmt = shapes + model_shapes, model_fmt
     # The server's settings decide its builds: the plugin's (VLLM_MEGAMOE_* and the YAML file of
     # VLLM_MEGAMOE_CONFIG, whose kernel keys this exports to the environment as the plugin does).
     from .plugin.settings import load_settings
     configured = load_settings().max_tokens_per_rank
     tokens = args.max_tokens_per_rank if args.max_tokens_per_rank is not None else configured
-    if args.format is None or tokens is None:
-        raise ValueError("--shape needs --format and --max-tokens-per-rank (the worker's SymmBuffer: "
-                         "the values megamoe's startup log line prints)")
+    if fmt is None or tokens is None:
+        raise ValueError(("--shape needs --format and " if fmt is None else "")
+                         + "--max-tokens-per-rank (the worker's SymmBuffer: the values megamoe's startup log "
+                         "line prints; vLLM's default is --max-num-batched-tokens)")
     from .kernels import sm90_mega_moe
-    from .shape import MoEShape
-    shapes = [MoEShape.parse(text) for text in args.shape]
-    return sm90_mega_moe.layer_kernel_specs(shapes, args.format, args.ep_size, tokens)
+    return sm90_mega_moe.layer_kernel_specs(shapes, fmt, args.ep_size, tokens)
 
 
 def _describe(spec) -> str:
@@ -115,16 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
     p = sub.add_parser("precompile",
                        help="compile SM90 kernels into the JIT cache (VLLM_MEGAMOE_CACHE_DIR) without a GPU: those a "
-                       "run recorded (VLLM_MEGAMOE_JIT_RECORD=FILE), or every build layers of --shape may load")
+                       "run recorded (VLLM_MEGAMOE_JIT_RECORD=FILE), or every build layers of --shape or --model "
+                       "may load")
     p.add_argument("files", nargs="*", metavar="FILE", help="VLLM_MEGAMOE_JIT_RECORD files (JSON lines)")
     p.add_argument("--shape", action="append", metavar="HxIxExK",
                    help="a MoE layer: hidden x intermediate x experts (global) x top-k, e.g. 4096x2048x256x6 "
                    "(repeat for layers of several shapes served by one buffer)")
-    p.add_argument("--format", choices=("fp8-block", "bf16"), help="the layers' weight format (with --shape)")
-    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (with --shape; default 1)")
+    p.add_argument("--model", metavar="DIR",
+                   help="a local checkpoint (original or converted): its MoE layers' shapes and format, as the "
+                   "plugin registers them under --ep-size / --tensor-parallel-size / --num-redundant-experts")
+    p.add_argument("--format", choices=("fp8-block", "bf16"),
+                   help="the layers' weight format (with --shape; with --model the checkpoint's)")
+    p.add_argument("--ep-size", type=int, default=1,
+                   help="expert-parallel ranks: vLLM's data x tensor parallel size with --enable-expert-parallel, "
+                   "else 1 (the default)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="with --model and --ep-size 1: each rank runs this share of every expert's intermediate")
+    p.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="with --model: vLLM's EPLB redundant experts, added to the checkpoint's")
     p.add_argument("--max-tokens-per-rank", type=int,
-                   help="the worker buffer's tokens per rank (with --shape): the server's max_tokens_per_rank "
-                   "setting, else vLLM's --max-num-batched-tokens (default: that setting where it is set)")
+                   help="the worker buffer's tokens per rank: the server's max_tokens_per_rank setting, else "
+                   "vLLM's --max-num-batched-tokens (default: that setting where it is set)")
     p.add_argument("--dry-run", action="store_true", help="list the kernels and their cache keys, compile nothing")
     p.add_argument("--compiler", choices=("nvrtc", "nvcc"), default=None,
                    help="default: VLLM_MEGAMOE_JIT_COMPILER's choice (NVRTC when it loads)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .discovery import CONFIG_FILE, find_weight_files, load_json, open_source, quantization_config
+from .discovery import CONFIG_FILE, FP8_SOURCE_DTYPE, find_weight_files, load_json, open_source, quantization_config
 from .marker import read_megamoe_marker
 from .safetensors_io import read_header
 from .verify import load_converted_index
@@ -82,6 +82,43 @@ def inspect_checkpoint(root: str) -> dict:
             info["layers"] = []
             info["layout"] = f"experts not recognised: {exc}"
     return info
+
+
+def sm90_layer_shapes(info: dict, *, ep_size: int = 1, tp_size: int = 1,
+                      redundant_experts: int = 0) -> tuple[list, str]:
+    """(MoE layer shapes, format) of the checkpoint `info` (inspect_checkpoint) as the megamoe plugin
+    registers them on the SM90 path: global experts (redundant ones added), the intermediate split
+    over `tp_size` ranks when there is no expert parallelism (`ep_size` 1), FP8 128x128 block
+    checkpoints as fp8-block and the rest as bf16 (vLLM's --dtype bfloat16). ValueError names
+    what is missing or what the SM90 path does not run."""
+    from ..shape import MoEShape, check_int, require
+    for name, value in (("ep_size", ep_size), ("tp_size", tp_size), ("redundant_experts", redundant_experts)):
+        check_int(name, value)
+    require(ep_size >= 1 and tp_size >= 1 and redundant_experts >= 0,
+            f"ep_size={ep_size}, tp_size={tp_size} must be >= 1 and redundant_experts={redundant_experts} >= 0")
+    layers = [l for l in info["layers"] if "error" not in l]
+    require(layers, f"{info['path']}: no MoE expert layers found ({info.get('layout')})")
+    require(info.get("top_k") is not None,
+            f"{info['path']}: config.json names no top-k (num_experts_per_tok); give --shape instead")
+    marker = info.get("megamoe")
+    if marker is not None:
+        require(marker["arch"] == "sm90", f"{info['path']} was converted for {marker['arch']}, not the SM90 kernel")
+        fmt = marker["format"]
+    else:
+        fmt = "fp8-block" if {l["dtype"] for l in layers} == {FP8_SOURCE_DTYPE} else "bf16"
+    split = tp_size if ep_size == 1 else 1  # TP without EP: each rank runs a slice of every expert
+    shapes = []
+    for l in layers:
+        require(l["intermediate"] % split == 0,
+                f"intermediate {l['intermediate']} does not split over {tp_size} tensor-parallel ranks")
+        shape = MoEShape(l["hidden"], l["intermediate"] // split, l["experts"] + redundant_experts, int(info["top_k"]))
+        try:
+            shape.validate(ep_size)
+        except ValueError as exc:
+            what = f"intermediate {l['intermediate']} / tensor-parallel {tp_size}" if split > 1 else "the layer"
+            raise ValueError(f"{l['prefix']} ({what}): {exc}") from None
+        shapes.append(shape)
+    return list(dict.fromkeys(shapes)), fmt
 
 
 def _gb(n: int) -> str:
