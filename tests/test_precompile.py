@@ -1,6 +1,6 @@
-"""`vllm-megamoe precompile`: recorded spec files, and the builds of --shape layers, which must be the
-builds the op loads for those layers on a worker's SymmBuffer (compared here with the op's own
-kernel_spec on real CPU buffers of 1 and 2 ranks), with clear errors for bad arguments."""
+"""`vllm-megamoe precompile`: recorded spec files, and the builds of --shape / --model layers, which
+must be the builds the op loads for those layers on a worker's SymmBuffer (compared here with the
+op's own kernel_spec on real CPU buffers of 1 and 2 ranks), with clear errors for bad arguments."""
 import pytest
 
 from vllm_megamoe import MoEShape, SymmBuffer, cli
@@ -69,13 +69,13 @@ def test_shape_specs_are_the_builds_the_op_loads(world, fmt, monkeypatch):
         for specs, command in results:
             assert specs == results[0][0] and command == results[0][1]
         want = list(dict.fromkeys(jit.spec_from_json(s) for s in results[0][0]))
-        assert len(want) >= (1 if tile else 2)
         argv = results[0][1].split()
         assert argv[:2] == ["vllm-megamoe", "precompile"]
         assert _cli_specs(argv[1:]) == want
         assert sm90_mega_moe.layer_kernel_specs(LAYERS, fmt, world, 200) == want
         tiles = {spec.define("MEGAMOE_TILE_TOKENS") for spec in want}
-        assert tiles == ({"64"} if tile else tiles) and all(spec.define("MEGAMOE_NUM_RANKS") == str(world) for spec in want)
+        assert tiles == {"64"} if tile else len(tiles) >= 2  # the table's tiles, or the forced one
+        assert all(spec.define("MEGAMOE_NUM_RANKS") == str(world) for spec in want)
 
 
 def test_dry_run_lists_builds_and_keys(capsys):
