@@ -497,7 +497,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   constexpr bool kRegTok = kRegisterTokens && kN == kTileTokens;  // acc in the register-token map
   const u32 ht = at.tile;
   const TaskRows& t = op.rows;
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
   // Lane i: the (rank, token, slot) of the warp's i-th row of a pass. With one pass and the
   // 32-token builds' registers to spare, loaded before the K loop: after it, the load was a
