@@ -5,8 +5,9 @@ wgmma loop (the K loops), registers and spills, and whether two source trees giv
     python -m benchmarks.sass_census --builds v4-flash:fp8-block:64 deepseek-v3:bf16:128:tma
     python -m benchmarks.sass_census --base-csrc /tmp/base/csrc   # same SASS as another commit's csrc/?
 
-A build is SHAPE:FORMAT:TILE[:MAINLOOP] (shape: a standard name or HIDDENxINTERxEXPERTSxTOPK; EP2,
-4096 tokens of buffer). A loop is a backward branch whose body holds a wgmma (QGMMA / HGMMA);
+A build is SHAPE:FORMAT:TILE[:MAINLOOP] (shape: a standard name or HIDDENxINTERxEXPERTSxTOPK; EP2
+and 4096 tokens of buffer unless --ranks / --tokens say otherwise: the EP1 and EP2 builds of a shape
+can spill differently). A loop is a backward branch whose body holds a wgmma (QGMMA / HGMMA);
 nested ones (a stage wait's timeout loop, a TMA issue loop) are counted inside the loops that
 hold them and listed on their own. Use it to see what a kernel change did to the instruction
 stream before spending device time on it, and to check that a refactoring left a GPU-verified
@@ -130,8 +131,9 @@ def parse_build(spec: str) -> tuple[str, str, int, str]:
     return shape, fmt, tile, parts[3] if len(parts) == 4 else "tma"
 
 
-def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
-    """The cubin and ptxas log of a build (NVRTC, no cache), from csrc_dir if given."""
+def compile_build(spec: str, csrc_dir: str | None = None, ranks: int = 2, tokens: int = 4096) -> tuple[bytes, str]:
+    """The cubin and ptxas log of a build (NVRTC, no cache), from csrc_dir if given, on a buffer of
+    `ranks` ranks and `tokens` tokens per rank."""
     from benchmarks.kernel_probe import probe_shape, scoped_env
     from vllm_megamoe.kernels import jit, sm90_mega_moe
 
@@ -142,8 +144,8 @@ def compile_build(spec: str, csrc_dir: str | None = None) -> tuple[bytes, str]:
         env["VLLM_MEGAMOE_CSRC_DIR"] = csrc_dir
 
     with scoped_env(env, unset=() if csrc_dir else ("VLLM_MEGAMOE_CSRC_DIR",)):
-        # the layer's first build (its only tile here) on an EP2 buffer of 4096 tokens per rank
-        spec = sm90_mega_moe.layer_kernel_specs([shape], fmt, 2, 4096)[0]
+        # the layer's first build (its only tile here)
+        spec = sm90_mega_moe.layer_kernel_specs([shape], fmt, ranks, tokens)[0]
         compiled = jit.compile_kernel(spec, "nvrtc", use_cache=False)
     return compiled.cubin, compiled.log
 
@@ -176,7 +178,18 @@ def describe(spec: str, instructions: list[Instruction], log: str, top: int) -> 
         lines.append(f"   {kind} at {lp.label} (instructions {lp.start}-{lp.end}): {len(body)} instructions, "
                      + ", ".join(f"{n} {op}" for op, n in wgmma.items()))
         lines.append("      " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
+    lines.append("   " + local_memory(instructions, found))
     return lines
+
+
+def local_memory(instructions: list[Instruction], found: list[Loop]) -> str:
+    """Spill stores and refills (STL / LDL) in the whole kernel and inside its K loops (innermost
+    wgmma loops): refills outside the K loops still sit on every task's path."""
+    k_loops = [lp for lp in found if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in found)]
+    inside = {k for lp in k_loops for k in range(lp.start, lp.end + 1)}
+    count = {op: [k for k, i in enumerate(instructions) if i.base == op] for op in ("STL", "LDL")}
+    return ("local memory: " + ", ".join(f"{len(ks)} {op}" for op, ks in count.items())
+            + " (in K loops: " + ", ".join(f"{sum(k in inside for k in ks)} {op}" for op, ks in count.items()) + ")")
 
 
 def main(argv=None) -> int:
@@ -184,14 +197,16 @@ def main(argv=None) -> int:
     ap.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, help="SHAPE:FORMAT:TILE[:MAINLOOP]")
     ap.add_argument("--base-csrc", help="another tree's csrc/ (e.g. from git archive): compare SASS per build")
     ap.add_argument("--top", type=int, default=14, help="instruction classes listed per loop")
+    ap.add_argument("--ranks", type=int, default=2, help="EP size of the builds' buffer (default 2)")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the builds' buffer (default 4096)")
     args = ap.parse_args(argv)
     differ = 0
     for spec in args.builds:
-        cubin, log = compile_build(spec)
+        cubin, log = compile_build(spec, ranks=args.ranks, tokens=args.tokens)
         mine = parse(disassemble(cubin))
         print("\n".join(describe(spec, mine, log, args.top)))
         if args.base_csrc:
-            base_cubin, base_log = compile_build(spec, args.base_csrc)
+            base_cubin, base_log = compile_build(spec, args.base_csrc, args.ranks, args.tokens)
             base = parse(disassemble(base_cubin))
             same, first = same_sass(base, mine)
             if same:

@@ -50,6 +50,11 @@ def test_loops_are_backward_branches_and_wgmma_loops_hold_a_wgmma():
     report = "\n".join(sass_census.describe("toy", ins, "ptxas info: Used 238 registers, 0 bytes spill stores", 5))
     assert "238 registers, 0 bytes spilled" in report
     assert "holds 1 wgmma loops at .L_x_1" in report and "K loop at .L_x_2" in report
+    assert "local memory: 0 STL, 0 LDL (in K loops: 0 STL, 0 LDL)" in report
+    spilled = sass_census.parse(SASS.replace("IMAD R2, R8, 0x4, RZ", "STL [R1], R8").replace(
+        "FFMA R197, R28, R203, R197", "LDL R197, [R1]").replace("STG.E [R2.64], R196", "LDL R8, [R1]"))
+    assert sass_census.local_memory(spilled, sass_census.wgmma_loops(spilled)) == \
+        "local memory: 1 STL, 2 LDL (in K loops: 0 STL, 1 LDL)"
 
 
 def test_same_sass_ignores_addresses_and_label_numbers_but_not_registers():
