@@ -17,6 +17,7 @@ roofline is bound by something else than the GEMM (e.g. NVLink at 4096 tokens of
 layer), and a chain ratio where the chain takes less than that many times the roofline.
 
     python -m benchmarks.targets benchmarks/results/bench_ep2.json     # print the table
+    python -m benchmarks.targets benchmarks/results/bench_ep1.json --highlights   # SGLang ratios, misses
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ class Criterion:
         verdict = "beyond the roofline" if self.beyond_roofline else {True: "met", False: "MISSED"}[self.met]
         extra = f", {self.note}" if self.note else ""
         return f"{self.name} {self.value:.2f} ({sign} {self.bound:.2f}: {verdict}{extra})"
+
+
+TOKEN_BUCKETS = ("1", "8-128", "512-2048", "4096-8192")
 
 
 def bucket(tokens: int) -> Optional[str]:
@@ -164,12 +168,53 @@ def summary(results: list[dict]) -> str:
     return "; ".join(f"{b} tokens: {m}/{n}" for b, (m, n) in counts.items())
 
 
+def _span(values: list[float], unit: str = "x") -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}{unit}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}{unit}"
+
+
+def highlights(rows: list[dict], results: list[dict]) -> list[str]:
+    """What the prose of a results section quotes: SGLang's kernel time over the fused kernel's per
+    token bucket (every FP8 case, both routings; also at 1 token, where it is no criterion) and per
+    shape at prefill, then every missed criterion, case by case."""
+    ratios: dict[str, list[float]] = {}
+    prefill: dict[str, list[float]] = {}
+    for key, by_path in report.rows_by_case(report.sorted_rows(rows), ("megamoe", "sglang")).items():
+        mine, theirs = by_path.get("megamoe"), by_path.get("sglang")
+        b = bucket(key[3])
+        if b is None or not mine or not theirs or mine.get("error") or theirs.get("error"):
+            continue
+        ratio = _ratio(theirs.get("kernel_us"), mine.get("kernel_us"))
+        if ratio is None:
+            continue
+        ratios.setdefault(b, []).append(ratio)
+        if b == "4096-8192":
+            prefill.setdefault(str(key[0]), []).append(ratio)
+    lines = []
+    if ratios:
+        lines.append("x sglang (kernel time, FP8): " + "; ".join(
+            f"{b} tokens {_span(v)}" for b, v in sorted(ratios.items(), key=lambda kv: TOKEN_BUCKETS.index(kv[0]))))
+    if prefill:
+        lines.append("x sglang at 4096-8192 tokens: " + "; ".join(f"{s} {_span(v)}" for s, v in sorted(prefill.items())))
+    missed = [e for e in results if not e["met"]]
+    lines.append(f"met: {sum(e['met'] for e in results)} of {len(results)} ({summary(results)}); missed:")
+    for e in missed:
+        failed = [c for c in e["criteria"] if c.met is False and not c.beyond_roofline]
+        lines.append(f"  {e['shape']} {e['format']} {e['routing']} {e['tokens_per_rank']}: "
+                     + "; ".join(f"{c.name} {c.value:.2f} (bound {c.bound:.2f})" for c in failed))
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results")
+    ap.add_argument("--highlights", action="store_true",
+                    help="the figures a results section's prose quotes (SGLang ratios per bucket, the misses) "
+                    "instead of the table")
     args = ap.parse_args(argv)
     rows, _ = report.load_rows(args.results)
-    print(markdown(evaluate(rows)))
+    results = evaluate(rows)
+    print("\n".join(highlights(rows, results)) if args.highlights else markdown(results))
     return 0
 
 

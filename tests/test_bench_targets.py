@@ -145,3 +145,24 @@ def test_bench_report_prints_the_targets(tmp_path, capsys):
     assert bench.main(["--report", str(tmp_path / "r.json"), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "against its targets" in out and "1 of 2 cases meet every criterion" in out
+
+
+def test_highlights_quote_sglang_ratios_per_bucket_and_the_misses():
+    """--highlights: SGLang's kernel time over the fused kernel's, min-max per token bucket (FP8 only,
+    1 token included) and per shape at prefill, and each missed criterion named with its value."""
+    def case(shape, tokens, kernel, sglang, roof, gemm=None, routing="uniform"):
+        base = dict(shape=shape, format="fp8-block", routing=routing, tokens_per_rank=tokens, error=None)
+        return [dict(base, path="megamoe", kernel_us=kernel, e2e_us=kernel,
+                     roofline=dict(roofline_us=roof, gemm_us=gemm or roof, bound="hbm")),
+                dict(base, path="sglang", kernel_us=sglang),
+                dict(base, path="chain", e2e_us=roof * 20)]
+    rows = (case("a", 1, 30.0, 60.0, 20.0) + case("a", 8, 100.0, 150.0, 95.0)
+            + case("a", 128, 100.0, 110.0, 80.0, routing="skewed")  # 0.80 of the roofline: missed
+            + case("a", 8192, 1000.0, 1500.0, 700.0, gemm=700.0) + case("b", 8192, 1000.0, 1250.0, 500.0, gemm=500.0))
+    bf16 = [dict(r, format="bf16") for r in case("a", 8, 10.0, 99.0, 9.5) if r["path"] != "sglang"]
+    lines = targets.highlights(rows + bf16, targets.evaluate(rows + bf16))
+    assert lines[0] == "x sglang (kernel time, FP8): 1 tokens 2.00x; 8-128 tokens 1.10-1.50x; 4096-8192 tokens 1.25-1.50x"
+    assert lines[1] == "x sglang at 4096-8192 tokens: a 1.50x; b 1.25x"
+    assert lines[2] == "met: 4 of 6 (1 tokens: 1/1; 8-128 tokens: 2/3; 4096-8192 tokens: 1/2); missed:"
+    assert lines[3:] == ["  a fp8-block skewed 128: roofline frac 0.80 (bound 0.90)",
+                         "  b fp8-block uniform 8192: GEMM-ceiling frac 0.50 (bound 0.60); x sglang 1.25 (bound 1.40)"]
