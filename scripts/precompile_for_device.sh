@@ -12,7 +12,11 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-$PWD/.probe_jit}"
 pc() { "$PY" -m vllm_megamoe.cli precompile "$@" | tail -1; }
-probe() { "$PY" -m benchmarks.kernel_probe --compile-only "$@" 2>/dev/null | grep -c -E "compiled|cached" | sed 's/$/ probe builds/'; }
+probe() {  # a failing probe shows why (its last lines) and stops the script
+  local log; log=$(mktemp)
+  "$PY" -m benchmarks.kernel_probe --compile-only "$@" > "$log" 2>&1 || { tail -5 "$log"; rm -f "$log"; return 1; }
+  echo "$(grep -c -E ' (compiled|cached) [0-9a-f]{12}$' "$log") probe builds"; rm -f "$log"
+}
 V4=4096x2048x256x6 DSV3=7168x2048x256x8 QWEN3=2048x768x128x8 DSV3_64E=7168x2048x64x8 SMALL=512x384x24x5
 case "${PLAN:-ep2}" in
   ep2)

@@ -49,7 +49,8 @@ def probe_builds():
         shapes = [s for s in (_flag(command, "--shapes") or DEFAULT_SHAPES) if "$" not in s]
         fmt = (_flag(command, "--format") or ["fp8-block"])[0]
         tokens = max(int(t) for t in (_flag(command, "--tokens") or ["8192"]) if t.isdigit())
-        variants = [v for v in (_flag(command, "--variants") or ["default"]) if "$" not in v]
+        # a variant set only at run time ($ab, "$v", $PROBE_VARIANTS) is checked as the default build
+        variants = [v for v in (_flag(command, "--variants") or ["default"]) if "$" not in v] or ["default"]
         for world in sorted(worlds):
             for shape in shapes:
                 for variant in variants:
@@ -60,6 +61,8 @@ def probe_builds():
 def test_the_script_has_probes():
     cases = probe_builds()
     assert len(probe_commands()) >= 15 and len(cases) >= 100
+    for command in probe_commands():  # each gives cases: none is skipped unread
+        assert _flag(command, "--shapes") is None or any("$" not in s for s in _flag(command, "--shapes")), command
     assert (2, "qwen3-30b-a3b", "fp8-block", 8, "stages=5,tile=32") in cases  # STEP=decode
     assert (1, "qwen3-30b-a3b", "fp8-block", 8192, "epilogue_wg128=1,ablate=epilogue") in cases  # STEP=wg128
 

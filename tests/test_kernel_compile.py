@@ -188,7 +188,14 @@ def test_atomic_cache_writes_leave_no_temporaries(private_cache):
     assert not [n for n in names if n.endswith(".tmp")]
 
 
-@pytest.mark.skipif(jit.find_nvcc() is None, reason="nvcc not installed")
+def _nvcc_found() -> bool:
+    try:
+        return jit.find_nvcc() is not None
+    except jit.KernelCompileError:  # a VLLM_MEGAMOE_NVCC that is no executable (tested elsewhere)
+        return False
+
+
+@pytest.mark.skipif(not _nvcc_found(), reason="nvcc not installed")
 def test_nvcc_and_nvrtc_agree_on_resources(private_cache):
     """The nvcc path compiles the same source; both report no spills."""
     from vllm_megamoe.kernels import sm90_grouped_gemm as g

@@ -30,11 +30,12 @@ def test_shape_parse_spec_and_covering():
 def _op_specs(rank, world, group, fmt, tokens):
     """What the op loads on a worker buffer covering LAYERS (plugin.runtime.ensure_buffer's shape),
     and the command line the worker logs for it."""
-    buf = SymmBuffer(MoEShape.covering(LAYERS), tokens, group, format=fmt, device="cpu")
+    # what the worker registered: LAYERS on the SM90 path, and a wider layer the portable path runs
+    # (left out of the command, but the buffer covers it: the command names the buffer's shape)
+    portable_layer = MoEShape(2048, 256, 16, 2)
+    buf = SymmBuffer(MoEShape.covering([*LAYERS, portable_layer]), tokens, group, format=fmt, device="cpu")
     specs = [jit.spec_to_json(sm90_mega_moe.kernel_spec(shape, buf, choice))
              for shape in LAYERS for choice in sm90_tuning.choices(shape, fmt, world)]
-    # what the worker registered: LAYERS on the SM90 path, and a layer the portable path runs (left out)
-    portable_layer = MoEShape(1024, 768, 16, 2)
     saved = runtime.STATE.layers, runtime.STATE.paths
     runtime.STATE.layers = [runtime.LayerInfo(f"layer{i}", s, fmt, buf.device, group, rank, world)
                             for i, s in enumerate([*LAYERS, portable_layer])]
@@ -70,9 +71,10 @@ def test_shape_specs_are_the_builds_the_op_loads(world, fmt, monkeypatch):
             assert specs == results[0][0] and command == results[0][1]
         want = list(dict.fromkeys(jit.spec_from_json(s) for s in results[0][0]))
         argv = results[0][1].split()
-        assert argv[:2] == ["vllm-megamoe", "precompile"]
+        assert argv[:2] == ["vllm-megamoe", "precompile"] and "--buffer-shape 2048x768x16x6" in results[0][1]
         assert _cli_specs(argv[1:]) == want
-        assert sm90_mega_moe.layer_kernel_specs(LAYERS, fmt, world, 200) == want
+        assert sm90_mega_moe.layer_kernel_specs(LAYERS, fmt, world, 200, MoEShape(2048, 768, 16, 6)) == want
+        assert sm90_mega_moe.layer_kernel_specs(LAYERS, fmt, world, 200) != want  # a smaller buffer: other builds
         tiles = {spec.define("MEGAMOE_TILE_TOKENS") for spec in want}
         assert tiles == {"64"} if tile else len(tiles) >= 2  # the table's tiles, or the forced one
         assert all(spec.define("MEGAMOE_NUM_RANKS") == str(world) for spec in want)
@@ -101,6 +103,16 @@ def test_dry_run_lists_builds_and_keys(capsys):
      "intermediate=2000 must be a positive multiple of 128"),
     (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "0"], "max_tokens_per_rank=0"),
     (["--shape", "4096x2048x1024x6", "--format", "bf16", "--max-tokens-per-rank", "8"], "1024 local experts"),
+    (["--shape", "4096x2048x256x6", "--shape", "2048x768x128x8", "--format", "bf16", "--max-tokens-per-rank", "8"],
+     "layer 2048x768x128x8 does not run on a buffer of 4096x2048x256x8"),
+    (["--shape", "4096x2048x256x6", "--buffer-shape", "2048x2048x256x6", "--format", "bf16",
+      "--max-tokens-per-rank", "8"], "layer 4096x2048x256x6 does not run on a buffer of 2048x2048x256x6"),
+    (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "8", "--tensor-parallel-size", "2"],
+     "--tensor-parallel-size applies to --model's layers"),
+    (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "8", "--num-redundant-experts", "2"],
+     "--num-redundant-experts applies to --model's layers"),
+    (["--ep-size", "2"], "--ep-size describes --shape or --model layers"),
+    (["--buffer-shape", "4096x2048x256x6"], "--buffer-shape describes --shape or --model layers"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     assert cli.main(["precompile", *argv, "--dry-run"]) == 2
@@ -144,7 +156,8 @@ def test_model_of_a_converted_checkpoint_and_bad_models(tmp_path, capsys):
             (["--format", "fp8-block"], f"--format fp8-block, but {dst}'s MoE experts load as bf16"),
             (["--tensor-parallel-size", "4"], "intermediate 256 / tensor-parallel 4): intermediate=64 must be"),
             (["--tensor-parallel-size", "3"], "intermediate 256 does not split over 3 tensor-parallel ranks"),
-            (["--ep-size", "3"], "num_experts=8 must be divisible by num_ranks=3")):
+            (["--ep-size", "3"], "num_experts=8 must be divisible by num_ranks=3"),
+            (["--ep-size", "2", "--tensor-parallel-size", "4"], "an EP group of 2 ranks holds whole tensor-parallel")):
         argv = ["precompile", "--model", dst, "--max-tokens-per-rank", "96", "--dry-run", *extra]
         assert cli.main(argv) == 2
         assert message in capsys.readouterr().err, extra
@@ -248,3 +261,14 @@ def test_dry_run_without_a_compiler_lists_builds_without_keys(tmp_path, monkeypa
     assert "no cache keys: VLLM_MEGAMOE_NVCC=" in captured.err
     assert cli.main(argv[:-1]) == 1  # compiling fails with the same message
     assert "is not an executable file" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_MEGAMOE_NVCC", "/bin/false")  # runs, but is no nvcc: no keys, no traceback
+    assert cli.main([*argv, "--compiler", "nvcc"]) == 0
+    assert "no cache keys: /bin/false --version failed" in capsys.readouterr().err
+
+
+def test_an_unwritable_cache_is_an_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path / "file" / "jit"))
+    argv = ["precompile", "--shape", "512x384x24x5", "--format", "bf16", "--max-tokens-per-rank", "16"]
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err.startswith("vllm-megamoe precompile: ")

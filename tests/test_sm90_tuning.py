@@ -290,10 +290,14 @@ def test_doctor_names_the_kernel_compiler(clean_env, tmp_path):
     clean_env.setenv("VLLM_MEGAMOE_JIT_COMPILER", "nvcc")
     clean_env.setenv("VLLM_MEGAMOE_NVCC", str(tmp_path / "nvcc"))
     assert doctor._compiler().startswith("none: VLLM_MEGAMOE_NVCC=")
+    clean_env.setenv("VLLM_MEGAMOE_NVCC", "/bin/false")  # fails: reported, not raised
+    assert doctor._compiler().startswith("none: /bin/false --version failed")
+    clean_env.setenv("VLLM_MEGAMOE_NVCC", "/bin/echo")  # runs, but says nothing of CUDA
+    assert doctor._compiler().startswith("none: /bin/echo does not report a CUDA compiler version")
     clean_env.delenv("VLLM_MEGAMOE_NVCC")
     clean_env.setenv("VLLM_MEGAMOE_JIT_COMPILER", "nvrtc")
     if jit.nvrtc_available():
-        assert doctor._compiler().startswith("nvrtc %d.%d; cache " % jit.nvrtc_version())
+        assert doctor._compiler().startswith("nvrtc-%d.%d; cache " % jit.nvrtc_version())
 
 
 def test_plugin_settings_offer_what_the_core_accepts():

@@ -15,6 +15,15 @@ def _demo(args) -> int:
     return demo.run(ranks=args.ranks, tokens=args.tokens, fmt=args.format)
 
 
+def _compiler_errors() -> tuple:
+    """What compiling can raise that is the environment's problem, not a bug: no or a broken compiler
+    (NVRTC not importable, an nvcc that does not run), a failed build, a cache folder it cannot write."""
+    import subprocess
+
+    from .kernels import jit
+    return (jit.KernelCompileError, ImportError, OSError, subprocess.SubprocessError, ValueError)
+
+
 def _precompile(args) -> int:
     import time
 
@@ -30,13 +39,14 @@ def _precompile(args) -> int:
               file=sys.stderr)
         return 2
     if args.dry_run:
-        try:
+        try:  # the keys name the compiler (its version): without one, list the builds alone
             compiler = args.compiler or jit.choose_compiler()
-        except (jit.KernelCompileError, ValueError) as exc:  # the keys name the compiler; list without them
-            compiler = None
+            keys = [jit.cache_key(spec, compiler)[:12] for spec in specs]
+        except _compiler_errors() as exc:
+            keys = [None] * len(specs)
             print(f"vllm-megamoe precompile: no cache keys: {exc}", file=sys.stderr)
-        for spec in specs:
-            print(_describe(spec) + (f" {jit.cache_key(spec, compiler)[:12]}" if compiler else ""))
+        for spec, key in zip(specs, keys):
+            print(_describe(spec) + (f" {key}" if key else ""))
         print(f"{len(specs)} kernels (--dry-run: none compiled)")
         return 0
     compiled = cached = 0
@@ -46,7 +56,7 @@ def _precompile(args) -> int:
             compiled, cached = compiled + (not kernel.from_cache), cached + kernel.from_cache
             print(f"[{i}/{len(specs)}] {'cached  ' if kernel.from_cache else 'compiled'} {_describe(kernel.spec)} "
                   f"{kernel.key[:12]} ({time.monotonic() - start:.0f} s)", flush=True)
-    except (jit.KernelCompileError, FileNotFoundError, ImportError) as exc:
+    except _compiler_errors() as exc:
         print(f"vllm-megamoe precompile: {exc}", file=sys.stderr)
         return 1
     print(f"{len(specs)} kernels in {jit.cache_dir()}: {compiled} compiled, {cached} already there")
@@ -55,10 +65,16 @@ def _precompile(args) -> int:
 
 def _layer_specs(args) -> list:
     """The SM90 builds of the --shape / --model layers (none without either)."""
+    given = {"--format": args.format is not None, "--max-tokens-per-rank": args.max_tokens_per_rank is not None,
+             "--ep-size": args.ep_size != 1, "--buffer-shape": args.buffer_shape is not None}
+    model_only = {"--tensor-parallel-size": args.tensor_parallel_size != 1,
+                  "--num-redundant-experts": args.num_redundant_experts != 0}
+    if not args.model:
+        for flag in (f for f, on in model_only.items() if on):
+            raise ValueError(f"{flag} applies to --model's layers (a --shape is already the layer a rank runs)")
     if not args.shape and not args.model:
-        for flag, value in (("--format", args.format), ("--max-tokens-per-rank", args.max_tokens_per_rank)):
-            if value is not None:
-                raise ValueError(f"{flag} describes --shape or --model layers; give one of them too")
+        for flag in (f for f, on in given.items() if on):
+            raise ValueError(f"{flag} describes --shape or --model layers; give one of them too")
         return []
     from .shape import MoEShape
     shapes, fmt = [MoEShape.parse(text) for text in args.shape or []], args.format
@@ -80,7 +96,8 @@ def _layer_specs(args) -> list:
                          + "--max-tokens-per-rank (the worker's SymmBuffer: the values megamoe's startup log "
                          "line prints; vLLM's default is --max-num-batched-tokens)")
     from .kernels import sm90_mega_moe
-    return sm90_mega_moe.layer_kernel_specs(shapes, fmt, args.ep_size, tokens)
+    buffer_shape = MoEShape.parse(args.buffer_shape) if args.buffer_shape else None
+    return sm90_mega_moe.layer_kernel_specs(shapes, fmt, args.ep_size, tokens, buffer_shape=buffer_shape)
 
 
 def _describe(spec) -> str:
@@ -142,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model and --ep-size 1: each rank runs this share of every expert's intermediate")
     p.add_argument("--num-redundant-experts", type=int, default=0,
                    help="with --model: vLLM's EPLB redundant experts, added to the checkpoint's")
+    p.add_argument("--buffer-shape", metavar="HxIxExK",
+                   help="the worker buffer's shape where it covers more than these layers (the worker's log line "
+                   "names it when its other layers run another path); default: the smallest that covers them")
     p.add_argument("--max-tokens-per-rank", type=int,
                    help="the worker buffer's tokens per rank: the server's max_tokens_per_rank setting, else "
                    "vLLM's --max-num-batched-tokens (default: that setting where it is set)")

@@ -63,10 +63,14 @@ def _compiler() -> str:
     from .kernels import jit
     try:
         compiler = jit.choose_compiler()
-        version = "%d.%d" % jit.nvrtc_version() if compiler == "nvrtc" else jit.nvcc_version(jit.find_nvcc())
-    except (jit.KernelCompileError, ValueError, OSError) as exc:
+        identity = jit.compiler_identity(compiler)  # "nvrtc-13.0", "nvcc:Build cuda_13.0.r13.0/..."
+    except (jit.KernelCompileError, ValueError) as exc:
         return f"none: {exc}"
-    return f"{compiler} {version}; cache {jit.cache_dir()}"
+    except Exception as exc:  # a report, never a crash (NVRTC that fails to load, ...)
+        return f"none: {type(exc).__name__}: {exc}"
+    if "cuda" not in identity.lower() and compiler == "nvcc":
+        return f"none: {jit.find_nvcc()} does not report a CUDA compiler version ({identity!r})"
+    return f"{identity}; cache {jit.cache_dir()}"
 
 
 def collect() -> list[tuple[str, str]]:

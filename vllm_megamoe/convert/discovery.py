@@ -184,7 +184,7 @@ def find_weight_files(root: str) -> list:
         return files
     if os.path.isfile(os.path.join(root, SINGLE_FILE)):
         return [SINGLE_FILE]
-    raise ValueError(f"{root} holds neither {INDEX_FILE} nor {SINGLE_FILE}; point SRC at a "
+    raise ValueError(f"{root} holds neither {INDEX_FILE} nor {SINGLE_FILE}: expected a "
                      "Hugging Face safetensors checkpoint directory")
 
 

@@ -96,10 +96,14 @@ def sm90_layer_shapes(info: dict, *, ep_size: int = 1, tp_size: int = 1,
         check_int(name, value)
     require(ep_size >= 1 and tp_size >= 1 and redundant_experts >= 0,
             f"ep_size={ep_size}, tp_size={tp_size} must be >= 1 and redundant_experts={redundant_experts} >= 0")
+    require(ep_size == 1 or ep_size % tp_size == 0,
+            f"an EP group of {ep_size} ranks holds whole tensor-parallel groups of {tp_size} (vLLM's EP size is "
+            "data x tensor parallel size)")
     layers = [l for l in info["layers"] if "error" not in l]
     require(layers, f"{info['path']}: no MoE expert layers found ({info.get('layout')})")
-    require(info.get("top_k") is not None,
-            f"{info['path']}: config.json names no top-k (num_experts_per_tok); give --shape instead")
+    top_k = info.get("top_k")
+    require(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1,
+            f"{info['path']}: config.json names no top-k (num_experts_per_tok: {top_k!r}); give --shape instead")
     marker = info.get("megamoe")
     if marker is not None:
         require(marker["arch"] == "sm90", f"{info['path']} was converted for {marker['arch']}, not the SM90 kernel")
@@ -111,7 +115,7 @@ def sm90_layer_shapes(info: dict, *, ep_size: int = 1, tp_size: int = 1,
     for l in layers:
         require(l["intermediate"] % split == 0,
                 f"intermediate {l['intermediate']} does not split over {tp_size} tensor-parallel ranks")
-        shape = MoEShape(l["hidden"], l["intermediate"] // split, l["experts"] + redundant_experts, int(info["top_k"]))
+        shape = MoEShape(l["hidden"], l["intermediate"] // split, l["experts"] + redundant_experts, top_k)
         try:
             shape.validate(ep_size)
         except ValueError as exc:

@@ -307,11 +307,17 @@ def _common_options(spec: KernelSpec, root: pathlib.Path) -> list[str]:
     return options
 
 
-def _compiler_identity(compiler: str) -> str:
+def compiler_identity(compiler: str) -> str:
+    """The compiler and its version, as the cache keys hold them; KernelCompileError when it does not run."""
     if compiler == "nvrtc":
         return "nvrtc-%d.%d" % nvrtc_version()
     nvcc = find_nvcc()
-    return f"nvcc:{nvcc_version(nvcc)}"
+    if nvcc is None:
+        raise KernelCompileError("no nvcc was found (put it on PATH or set VLLM_MEGAMOE_NVCC)")
+    try:
+        return f"nvcc:{nvcc_version(nvcc)}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelCompileError(f"{nvcc} --version failed: {exc}") from None
 
 
 def cache_key(spec: KernelSpec, compiler: str, root: pathlib.Path | None = None) -> str:
@@ -319,7 +325,7 @@ def cache_key(spec: KernelSpec, compiler: str, root: pathlib.Path | None = None)
     digest = hashlib.sha256()
     for part in (
         f"format={_CACHE_FORMAT}",
-        f"compiler={_compiler_identity(compiler)}",
+        f"compiler={compiler_identity(compiler)}",
         f"arch={spec.arch}",
         f"source={spec.source}",
         f"name={spec.name}",

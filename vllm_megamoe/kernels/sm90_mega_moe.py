@@ -100,14 +100,20 @@ def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = 
     return cache[key]
 
 
-def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: int) -> list[jit.KernelSpec]:
+def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: int,
+                       buffer_shape: Optional[MoEShape] = None) -> list[jit.KernelSpec]:
     """Every build the op may load for layers of `shapes` served by one buffer of `num_ranks` ranks
-    and `max_tokens_per_rank` (the buffer covers every shape, as the plugin's worker buffer does):
-    what `load_kernel` compiles at each layer's first call, under the same VLLM_MEGAMOE_* settings.
-    Needs no GPU; `vllm-megamoe precompile --shape` compiles them ahead of time."""
+    and `max_tokens_per_rank` (of `buffer_shape`, by default the smallest that covers every shape, as
+    the plugin's worker buffer does): what `load_kernel` compiles at each layer's first call, under
+    the same VLLM_MEGAMOE_* settings. Needs no GPU; `vllm-megamoe precompile` compiles them."""
     from ..layout import BufferLayout
     shapes = list(dict.fromkeys(shapes))
-    layout = BufferLayout(MoEShape.covering(shapes), num_ranks, max_tokens_per_rank, fmt)
+    buffer_shape = buffer_shape or MoEShape.covering(shapes)
+    for shape in shapes:  # what the op refuses at a call (portable.validate_call)
+        require(shape.fits_in(buffer_shape) and shape.num_experts == buffer_shape.num_experts,
+                f"layer {shape.spec()} does not run on a buffer of {buffer_shape.spec()}: one buffer serves "
+                "layers of as many experts as it has and no larger sizes")
+    layout = BufferLayout(buffer_shape, num_ranks, max_tokens_per_rank, fmt)
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
     trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
     specs = []

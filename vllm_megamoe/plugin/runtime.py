@@ -165,11 +165,14 @@ def ensure_buffer() -> Optional[SymmBuffer]:
 def precompile_command(buf: SymmBuffer) -> str:
     """The `vllm-megamoe precompile` command line that compiles every SM90 build the registered
     layers that run the SM90 path load on `buf` (sm90_mega_moe.layer_kernel_specs)."""
-    shapes = sorted({i.shape.spec() for i in STATE.layers
-                     if STATE.paths.get((i.shape, _path_format(i), str(i.device)), ("sm90",))[0] == "sm90"})
-    return ("vllm-megamoe precompile " + " ".join(f"--shape {s}" for s in shapes)
+    shapes = sorted({i.shape for i in STATE.layers
+                     if STATE.paths.get((i.shape, _path_format(i), str(i.device)), ("sm90",))[0] == "sm90"},
+                    key=MoEShape.spec)
+    covering = MoEShape.covering(shapes) if shapes else None
+    return ("vllm-megamoe precompile " + " ".join(f"--shape {s.spec()}" for s in shapes)
             + f" --format {buf.layout.format} --ep-size {buf.num_ranks}"
-            f" --max-tokens-per-rank {buf.layout.max_tokens_per_rank}")
+            + (f" --buffer-shape {buf.layout.shape.spec()}" if buf.layout.shape != covering else "")
+            + f" --max-tokens-per-rank {buf.layout.max_tokens_per_rank}")
 
 
 def _path_format(info: LayerInfo) -> str:
