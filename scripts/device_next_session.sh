@@ -35,6 +35,7 @@
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
+#   STEP=fresh_tid main against threadIdx.x read fresh (benchmarks/results/fresh_tid/): tests, A/B (one GPU)
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
@@ -293,10 +294,22 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-fp8-block} --shapes qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue \
       ablate=epilogue --rounds 3 --iters 300 --out "$OUT/probe_wg128.json" 2>&1 | tail -26 ;;
+  fresh_tid) # ~9 min, one H200: main against the fresh-%tid.x patches (benchmarks/results/fresh_tid/; their
+            # trees made before the call by `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry
+            # [".probe_tid_everywhere", ".probe_tid_outside", ".probe_jit"]): each tree's one-GPU FP8 tests, then
+            # graph times of the three in one process, in turn (outputs should agree bit for bit)
+    for t in everywhere outside; do
+      VLLM_MEGAMOE_CSRC_DIR="$PWD/.probe_tid_$t/csrc" timeout 150 python3 -m pytest $T -o timeout=140 \
+        tests/gpu/test_sm90_mega_moe.py -k "one_gpu and (fp8 or back_to_back or cuda_graph)" > "$OUT/tid_${t}_tests.log" 2>&1
+      tail -2 "$OUT/tid_${t}_tests.log"
+    done
+    timeout 240 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-qwen3-30b-a3b v4-flash} \
+      --tokens ${TOKENS:-1 8 1024 8192} --variants default csrc=.probe_tid_everywhere/csrc csrc=.probe_tid_outside/csrc \
+      --rounds 3 --out "$OUT/probe_fresh_tid.json" 2>&1 | tail -30 ;;
   nvl_stores) # ~3 min, 2 GPUs: what the FP8 128-token L2 epilogue's stores cost at EP2, where half its
             # combine rows go to the peer over NVLink in 64-byte runs (kernel_notes v21 (d); at EP1 the
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
     timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src or nvl_stores"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or fresh_tid"; exit 2 ;;
 esac
