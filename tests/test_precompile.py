@@ -104,9 +104,10 @@ def test_dry_run_lists_builds_and_keys(capsys):
     (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "0"], "max_tokens_per_rank=0"),
     (["--shape", "4096x2048x1024x6", "--format", "bf16", "--max-tokens-per-rank", "8"], "1024 local experts"),
     (["--shape", "4096x2048x256x6", "--shape", "2048x768x128x8", "--format", "bf16", "--max-tokens-per-rank", "8"],
-     "layer 2048x768x128x8 does not run on a buffer of 4096x2048x256x8"),
+     "layer has 128 local experts, the buffer was built for 256"),
     (["--shape", "4096x2048x256x6", "--buffer-shape", "2048x2048x256x6", "--format", "bf16",
-      "--max-tokens-per-rank", "8"], "layer 4096x2048x256x6 does not run on a buffer of 2048x2048x256x6"),
+      "--max-tokens-per-rank", "8"], "layer shape MoEShape(hidden=4096, intermediate=2048, num_experts=256, topk=6) "
+     "does not fit the SymmBuffer built for MoEShape(hidden=2048,"),
     (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "8", "--tensor-parallel-size", "2"],
      "--tensor-parallel-size applies to --model's layers"),
     (["--shape", "4096x2048x256x6", "--format", "bf16", "--max-tokens-per-rank", "8", "--num-redundant-experts", "2"],

@@ -62,12 +62,8 @@ def validate_call(x, topk_idx, topk_weights, weights: ExpertWeights, buffer: Sym
     lay = buffer.layout
     shape = MoEShape(h, weights.intermediate, weights.num_experts * buffer.num_ranks, k)
     shape.validate(buffer.num_ranks)
-    require(shape.fits_in(lay.shape),
-            f"layer shape {shape} does not fit the SymmBuffer built for {lay.shape}; build the "
-            "buffer for the largest layer")
-    require(shape.experts_per_rank(buffer.num_ranks) == lay.shape.experts_per_rank(buffer.num_ranks),
-            f"layer has {weights.num_experts} local experts, the buffer was built for "
-            f"{lay.shape.experts_per_rank(buffer.num_ranks)}")
+    mismatch = shape.buffer_mismatch(lay.shape, buffer.num_ranks)
+    require(mismatch is None, mismatch)
     require(weights.format == lay.format,
             f"weights are {weights.format!r} but the SymmBuffer was built for {lay.format!r}")
     require(t <= lay.max_tokens_per_rank,  # the bound asked for (the regions hold it rounded up)

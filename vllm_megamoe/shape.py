@@ -95,6 +95,17 @@ class MoEShape:
         return (self.hidden <= other.hidden and self.intermediate <= other.intermediate
                 and self.num_experts <= other.num_experts and self.topk <= other.topk)
 
+    def buffer_mismatch(self, buffer_shape: "MoEShape", num_ranks: int):
+        """Why a SymmBuffer built for `buffer_shape` over `num_ranks` ranks cannot serve a layer of
+        this shape (None when it can): the layer is larger, or its ranks own other expert counts."""
+        if not self.fits_in(buffer_shape):
+            return (f"layer shape {self} does not fit the SymmBuffer built for {buffer_shape}; build the "
+                    "buffer for the largest layer")
+        mine, theirs = self.experts_per_rank(num_ranks), buffer_shape.experts_per_rank(num_ranks)
+        if mine != theirs:
+            return f"layer has {mine} local experts, the buffer was built for {theirs}"
+        return None
+
     @classmethod
     def covering(cls, shapes) -> "MoEShape":
         """The smallest shape every one of `shapes` fits in (fits_in): the shape of a buffer that

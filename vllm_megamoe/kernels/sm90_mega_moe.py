@@ -110,9 +110,8 @@ def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: in
     shapes = list(dict.fromkeys(shapes))
     buffer_shape = buffer_shape or MoEShape.covering(shapes)
     for shape in shapes:  # what the op refuses at a call (portable.validate_call)
-        require(shape.fits_in(buffer_shape) and shape.num_experts == buffer_shape.num_experts,
-                f"layer {shape.spec()} does not run on a buffer of {buffer_shape.spec()}: one buffer serves "
-                "layers of as many experts as it has and no larger sizes")
+        mismatch = shape.buffer_mismatch(buffer_shape, num_ranks)
+        require(mismatch is None, mismatch)
     layout = BufferLayout(buffer_shape, num_ranks, max_tokens_per_rank, fmt)
     ablate, trace = ablation_from_env(), chunk_trace_from_env()
     trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
