@@ -182,11 +182,15 @@ def describe(spec: str, instructions: list[Instruction], log: str, top: int) -> 
     return lines
 
 
+def k_loops(found: list[Loop]) -> list[Loop]:
+    """The K loops among wgmma loops: those holding no other wgmma loop."""
+    return [lp for lp in found if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in found)]
+
+
 def local_memory(instructions: list[Instruction], found: list[Loop]) -> str:
     """Spill stores and refills (STL / LDL) in the whole kernel and inside its K loops (innermost
     wgmma loops): refills outside the K loops still sit on every task's path."""
-    k_loops = [lp for lp in found if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in found)]
-    inside = {k for lp in k_loops for k in range(lp.start, lp.end + 1)}
+    inside = {k for lp in k_loops(found) for k in range(lp.start, lp.end + 1)}
     count = {op: [k for k, i in enumerate(instructions) if i.base == op] for op in ("STL", "LDL")}
     return ("local memory: " + ", ".join(f"{len(ks)} {op}" for op, ks in count.items())
             + " (in K loops: " + ", ".join(f"{sum(k in inside for k in ks)} {op}" for op, ks in count.items()) + ")")

@@ -19,7 +19,6 @@ def parse_flag(raw: object) -> bool:
     raise ValueError("must be a boolean (1/0, true/false, yes/no, on/off)")
 
 
-
 def parse_auto_flag(raw: object) -> bool | None:
     """None for 'auto', else parse_flag's True / False; ValueError for anything else."""
     if str(raw).strip().lower() == "auto":

@@ -133,7 +133,7 @@ def ensure_buffer() -> Optional[SymmBuffer]:
                 f"megamoe: layers {first.name} and {info.name} differ in format, device or EP "
                 "group; one worker serves one model format on one EP group")
     tokens = max_tokens_per_rank()
-    if all(STATE.paths[(i.shape, _path_format(i), str(i.device))][0] == "sm100" for i in STATE.layers):
+    if all(_layer_path(i)[0] == "sm100" for i in STATE.layers):
         return _ensure_sm100_buffers(first, tokens)
     shape = MoEShape.covering(i.shape for i in STATE.layers)
     buf = SymmBuffer(shape, tokens, first.group, format=first.format, device=first.device,
@@ -144,7 +144,7 @@ def ensure_buffer() -> Optional[SymmBuffer]:
             f"megamoe: rank {buf.rank} in the EP group is vLLM's EP rank {first.ep_rank}; the "
             "buffer needs the group's rank order to match vLLM's expert placement")
     STATE.buffer, STATE.buffer_tokens = buf, tokens
-    paths = sorted({STATE.paths[(i.shape, _path_format(i), str(i.device))] for i in STATE.layers})
+    paths = sorted({_layer_path(i) for i in STATE.layers})
     why = "; ".join(f"{p}: {r}" for p, r in paths)
     logger.info(
         "megamoe: EP rank %d/%d runs the %s path for %d MoE layers (%s); format %s; SymmBuffer "
@@ -165,14 +165,17 @@ def ensure_buffer() -> Optional[SymmBuffer]:
 def precompile_command(buf: SymmBuffer) -> str:
     """The `vllm-megamoe precompile` command line that compiles every SM90 build the registered
     layers that run the SM90 path load on `buf` (sm90_mega_moe.layer_kernel_specs)."""
-    shapes = sorted({i.shape for i in STATE.layers
-                     if STATE.paths.get((i.shape, _path_format(i), str(i.device)), ("sm90",))[0] == "sm90"},
-                    key=MoEShape.spec)
+    shapes = sorted({i.shape for i in STATE.layers if _layer_path(i)[0] == "sm90"}, key=MoEShape.spec)
     covering = MoEShape.covering(shapes) if shapes else None
     return ("vllm-megamoe precompile " + " ".join(f"--shape {s.spec()}" for s in shapes)
             + f" --format {buf.layout.format} --ep-size {buf.num_ranks}"
             + (f" --buffer-shape {buf.layout.shape.spec()}" if buf.layout.shape != covering else "")
             + f" --max-tokens-per-rank {buf.layout.max_tokens_per_rank}")
+
+
+def _layer_path(info: LayerInfo) -> tuple:
+    """(path, reason) choose_path gave the registered layer `info`."""
+    return STATE.paths[(info.shape, _path_format(info), str(info.device))]
 
 
 def _path_format(info: LayerInfo) -> str:
