@@ -35,7 +35,7 @@
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
-#   STEP=fresh_tid main against threadIdx.x read fresh (benchmarks/results/fresh_tid/): tests, A/B (one GPU)
+#   STEP=fresh_tid main against the thread index read per K loop (benchmarks/results/fresh_tid/): tests, A/B (one GPU)
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
@@ -294,18 +294,27 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-fp8-block} --shapes qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue \
       ablate=epilogue --rounds 3 --iters 300 --out "$OUT/probe_wg128.json" 2>&1 | tail -26 ;;
-  fresh_tid) # ~9 min, one H200: main against the fresh-%tid.x patches (benchmarks/results/fresh_tid/; their
-            # trees made before the call by `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry
-            # [".probe_tid_everywhere", ".probe_tid_outside", ".probe_jit"]): each tree's one-GPU FP8 tests, then
-            # graph times of the three in one process, in turn (outputs should agree bit for bit)
-    for t in everywhere outside; do
-      VLLM_MEGAMOE_CSRC_DIR="$PWD/.probe_tid_$t/csrc" timeout 150 python3 -m pytest $T -o timeout=140 \
-        tests/gpu/test_sm90_mega_moe.py -k "one_gpu and (fp8 or back_to_back or cuda_graph)" > "$OUT/tid_${t}_tests.log" 2>&1
-      tail -2 "$OUT/tid_${t}_tests.log"
-    done
-    timeout 240 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-qwen3-30b-a3b v4-flash} \
-      --tokens ${TOKENS:-1 8 1024 8192} --variants default csrc=.probe_tid_everywhere/csrc csrc=.probe_tid_outside/csrc \
-      --rounds 3 --out "$OUT/probe_fresh_tid.json" 2>&1 | tail -30 ;;
+  fresh_tid) # ~9 min, one H200: main against the thread index read once per K loop and anew elsewhere in the
+            # epilogue-warpgroup builds (v33: their spills gone, K loops as long or shorter; the patch is
+            # benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch, its tree made before the call by
+            # `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry [".probe_tid", ".probe_jit"]):
+            # the tree's one-GPU and shared-GPU kernel tests, graph times of both trees in one process, in
+            # turn (outputs should agree bit for bit), FP8 then BF16, then the opt-in 128-token epilogue
+            # warpgroup (v31: 1.01-1.06x slower, 80 spill refills per task path at EP1) with and without its spills
+    TID="VLLM_MEGAMOE_CSRC_DIR=$PWD/.probe_tid/csrc"
+    env "$TID" timeout 190 python3 -m pytest $T -o timeout=150 tests/gpu/test_sm90_mega_moe.py -k one_gpu \
+      > "$OUT/tid_tests_1gpu.log" 2>&1
+    tail -2 "$OUT/tid_tests_1gpu.log"
+    env "$TID" MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 timeout 100 python3 -m pytest $T -o timeout=90 \
+      tests/gpu/test_sm90_mega_moe.py -k "(multi_gpu and small and fp8) or back_to_back_calls_multi or (cuda_graph_multi and fp8)" \
+      > "$OUT/tid_tests_shared.log" 2>&1
+    tail -2 "$OUT/tid_tests_shared.log"
+    timeout 150 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-qwen3-30b-a3b v4-flash} \
+      --tokens ${TOKENS:-1 8 1024 8192} --variants default csrc=.probe_tid/csrc --rounds 3 --out "$OUT/probe_fresh_tid.json" 2>&1 | tail -9
+    timeout 60 python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1024 8192 \
+      --variants default csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_bf16.json" 2>&1 | tail -3
+    timeout 70 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 \
+      --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_wg128.json" 2>&1 | tail -3 ;;
   nvl_stores) # ~3 min, 2 GPUs: what the FP8 128-token L2 epilogue's stores cost at EP2, where half its
             # combine rows go to the peer over NVLink in 64-byte runs (kernel_notes v21 (d); at EP1 the
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn

@@ -5,7 +5,7 @@
 # Carry the folder (`run` carry [".probe_jit"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit there.
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
 #   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl) and STEP=wg128
-#   PLAN=fresh_tid: the patched trees of STEP=fresh_tid (.probe_tid_*) and the builds its probe loads
+#   PLAN=fresh_tid: the patched tree of STEP=fresh_tid (.probe_tid) and the builds its tests and probes load
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
 set -euo pipefail
@@ -39,15 +39,15 @@ case "${PLAN:-ep2}" in
     pc tests/gpu/jit_specs.jsonl
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue ;;
-  fresh_tid)  # STEP=fresh_tid: the two patched trees (made here from HEAD's csrc/), and their builds
-    for t in everywhere outside; do
-      patch=benchmarks/results/fresh_tid/fresh_tid_$([ $t = outside ] && echo outside_k_loops || echo everywhere).patch
-      rm -rf ".probe_tid_$t" && mkdir -p ".probe_tid_$t" && cp -r csrc ".probe_tid_$t/"
-      (cd ".probe_tid_$t" && git apply -p1 "../$patch")
-    done
+  fresh_tid)  # STEP=fresh_tid: the patched tree .probe_tid (made here from HEAD's csrc/), its test and probe builds
+    rm -rf .probe_tid && mkdir -p .probe_tid && cp -r csrc .probe_tid/
+    git apply -p1 --directory=.probe_tid benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch  # (run inside the
+    # folder, git apply skips the patch's paths as outside it, silently)
     pc tests/gpu/jit_specs.jsonl
-    probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b v4-flash --tokens 1 8 1024 8192 \
-      --variants default csrc=.probe_tid_everywhere/csrc csrc=.probe_tid_outside/csrc ;;
+    VLLM_MEGAMOE_CSRC_DIR="$PWD/.probe_tid/csrc" pc tests/gpu/jit_specs.jsonl
+    probe --gpus 1 --shapes qwen3-30b-a3b v4-flash --tokens 1 8 1024 8192 --variants default csrc=.probe_tid/csrc
+    probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1024 8192 --variants default csrc=.probe_tid/csrc
+    probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc ;;
   *) echo "unknown PLAN=${PLAN}: ep2, ep1 or fresh_tid"; exit 2 ;;
 esac
 du -sh "$VLLM_MEGAMOE_CACHE_DIR"

@@ -81,3 +81,28 @@ def test_a_build_that_does_not_fit_is_caught(monkeypatch):
     with kp.scoped_env(kp.variant_env("stages=5")):
         with pytest.raises(ValueError, match="5 stages of the tma mainloop need"):
             sm90_mega_moe.layer_kernel_specs([kp.probe_shape("qwen3-30b-a3b")], "fp8-block", 2, 8)
+
+
+PRECOMPILE = SCRIPT.parent / "precompile_for_device.sh"
+
+
+def applied_patches() -> list[pathlib.Path]:
+    """The patches scripts/precompile_for_device.sh applies to a copy of csrc/ (`git apply ... X.patch`)."""
+    root = SCRIPT.parent.parent
+    return [root / p for p in re.findall(r"git apply [^\n]*?(\S+\.patch)", PRECOMPILE.read_text())]
+
+
+def test_the_plans_patches_apply_to_csrc(tmp_path):
+    """A plan that patches a copy of csrc/ (PLAN=fresh_tid) breaks when csrc/ moves under its patch:
+    caught here, not when the device call finds the tree unpatched."""
+    import shutil
+    import subprocess
+    patches = applied_patches()
+    assert patches, "no `git apply` of a patch found in " + PRECOMPILE.name
+    for patch in patches:
+        assert patch.is_file(), patch
+        tree = tmp_path / patch.stem
+        shutil.copytree(SCRIPT.parent.parent / "csrc", tree / "csrc")
+        # outside any repository git apply patches paths relative to the working directory
+        done = subprocess.run(["git", "apply", "--check", "-p1", str(patch)], cwd=tree, capture_output=True, text=True)
+        assert done.returncode == 0, f"{patch.name} does not apply to csrc/: {done.stderr}"
