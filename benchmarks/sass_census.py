@@ -4,6 +4,8 @@ wgmma loop (the K loops), registers and spills, and whether two source trees giv
     python -m benchmarks.sass_census                       # V4-Flash-like FP8, 32- and 64-token tma builds
     python -m benchmarks.sass_census --builds v4-flash:fp8-block:64 deepseek-v3:bf16:128:tma
     python -m benchmarks.sass_census --base-csrc /tmp/base/csrc   # same SASS as another commit's csrc/?
+    python -m benchmarks.sass_census --csrc .probe_tid/csrc --base-csrc csrc --table --ranks 1 --tokens 8192 \
+        --builds qwen3-30b-a3b:fp8-block:64 v4-flash:fp8-block:128   # a patched tree against this one, one row a build
 
 A build is SHAPE:FORMAT:TILE[:MAINLOOP] (shape: a standard name or HIDDENxINTERxEXPERTSxTOPK; EP2
 and 4096 tokens of buffer unless --ranks / --tokens say otherwise: the EP1 and EP2 builds of a shape
@@ -166,6 +168,16 @@ def resources(log: str) -> str:
 
 
 # ----------------------------------------------------------------------------- report
+def summary(instructions: list[Instruction], log: str) -> str:
+    """Registers, spilled bytes, spill stores / refills and each K loop's length, in one cell."""
+    found = wgmma_loops(instructions)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    stl, ldl = (sum(i.base == op for i in instructions) for op in ("STL", "LDL"))
+    regs = re.findall(r"Used (\d+) registers", log)
+    return (f"{regs[0] if regs else '?'}, {spills[0] if spills else '?'} B, {stl} / {ldl}; "
+            + " ".join(str(lp.end - lp.start + 1) for lp in k_loops(found)))
+
+
 def describe(spec: str, instructions: list[Instruction], log: str, top: int) -> list[str]:
     lines = [f"== {spec}: {len(instructions)} instructions, {resources(log)}"]
     found = wgmma_loops(instructions)
@@ -200,13 +212,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, help="SHAPE:FORMAT:TILE[:MAINLOOP]")
     ap.add_argument("--base-csrc", help="another tree's csrc/ (e.g. from git archive): compare SASS per build")
+    ap.add_argument("--csrc", help="the tree to describe (default: the package's csrc/), e.g. a patched copy")
+    ap.add_argument("--table", action="store_true",
+                    help="one markdown row per build: registers, spilled bytes, STL / LDL and the K loops' "
+                         "instruction counts (of --base-csrc and of this tree)")
     ap.add_argument("--top", type=int, default=14, help="instruction classes listed per loop")
     ap.add_argument("--ranks", type=int, default=2, help="EP size of the builds' buffer (default 2)")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the builds' buffer (default 4096)")
     args = ap.parse_args(argv)
+    if args.table:
+        cells = ["base", "this"] if args.base_csrc else ["this"]
+        print(f"| build (EP{args.ranks}, {args.tokens} tokens) | " + " | ".join(cells) + " |")
+        print("| --- |" + " --- |" * len(cells))
+        for spec in args.builds:
+            row = [summary(parse(disassemble(c)), log) for c, log in
+                   (compile_build(spec, tree, args.ranks, args.tokens) for tree in
+                    ([args.base_csrc] if args.base_csrc else []) + [args.csrc])]
+            print(f"| {spec} | " + " | ".join(row) + " |", flush=True)
+        return 0
     differ = 0
     for spec in args.builds:
-        cubin, log = compile_build(spec, ranks=args.ranks, tokens=args.tokens)
+        cubin, log = compile_build(spec, args.csrc, ranks=args.ranks, tokens=args.tokens)
         mine = parse(disassemble(cubin))
         print("\n".join(describe(spec, mine, log, args.top)))
         if args.base_csrc:

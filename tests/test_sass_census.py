@@ -57,6 +57,14 @@ def test_loops_are_backward_branches_and_wgmma_loops_hold_a_wgmma():
         "local memory: 1 STL, 2 LDL (in K loops: 0 STL, 1 LDL)"
 
 
+def test_summary_cell_gives_registers_spills_and_k_loop_lengths():
+    spilled = sass_census.parse(SASS.replace("IMAD R2, R8, 0x4, RZ", "STL [R1], R8").replace(
+        "STG.E [R2.64], R196", "LDL R8, [R1]"))
+    log = "ptxas info: Used 168 registers, 4 bytes spill stores, 4 bytes spill loads"
+    assert sass_census.summary(spilled, log) == "168, 4 B, 1 / 1; 11"  # the K loop .L_x_2: instructions 2-12
+    assert sass_census.summary(sass_census.parse(SASS), "") == "?, ? B, 0 / 0; 11"
+
+
 def test_same_sass_ignores_addresses_and_label_numbers_but_not_registers():
     renumbered = SASS.replace(".L_x_", ".L_x_9").replace("/*00", "/*01")
     ins, other = sass_census.parse(SASS), sass_census.parse(renumbered)
