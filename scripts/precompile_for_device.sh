@@ -51,3 +51,10 @@ case "${PLAN:-ep2}" in
   *) echo "unknown PLAN=${PLAN}: ep2, ep1 or fresh_tid"; exit 2 ;;
 esac
 du -sh "$VLLM_MEGAMOE_CACHE_DIR"
+# `run` carries 64 MiB in all (.whl's wheels are 7 of them): a cache that grew over several plans
+# and source versions is refilled with only the plan the next call runs
+size_mb=$(du -sm "$VLLM_MEGAMOE_CACHE_DIR" | cut -f1)
+if [ "$size_mb" -gt 50 ]; then
+  echo "warning: $VLLM_MEGAMOE_CACHE_DIR holds ${size_mb} MB, near the 64 MiB a device call carries;" \
+       "rm -rf it and run only the PLAN of the next call"
+fi
