@@ -299,21 +299,25 @@ case "${STEP:-verify}" in
             # benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch, its tree made before the call by
             # `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry [".probe_tid", ".probe_jit"]):
             # the tree's one-GPU and shared-GPU kernel tests, graph times of both trees in one process, in
-            # turn (outputs should agree bit for bit), FP8 then BF16, then the opt-in 128-token epilogue
-            # warpgroup (v31: 1.01-1.06x slower, 80 spill refills per task path at EP1) with and without its spills
+            # turn (outputs should agree bit for bit): FP8, BF16, the 64-token builds forced, then the
+            # opt-in 128-token epilogue warpgroup (v31: 1.01-1.06x slower, 80 spill refills per task path
+            # at EP1) with and without its spills; the timeouts sum to 540 s
     TID="VLLM_MEGAMOE_CSRC_DIR=$PWD/.probe_tid/csrc"
-    env "$TID" timeout 190 python3 -m pytest $T -o timeout=150 tests/gpu/test_sm90_mega_moe.py -k one_gpu \
+    env "$TID" timeout 160 python3 -m pytest $T -o timeout=150 tests/gpu/test_sm90_mega_moe.py -k one_gpu \
       > "$OUT/tid_tests_1gpu.log" 2>&1
     tail -2 "$OUT/tid_tests_1gpu.log"
-    env "$TID" MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 timeout 100 python3 -m pytest $T -o timeout=90 \
+    env "$TID" MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 timeout 80 python3 -m pytest $T -o timeout=75 \
       tests/gpu/test_sm90_mega_moe.py -k "(multi_gpu and small and fp8) or back_to_back_calls_multi or (cuda_graph_multi and fp8)" \
       > "$OUT/tid_tests_shared.log" 2>&1
     tail -2 "$OUT/tid_tests_shared.log"
-    timeout 150 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-qwen3-30b-a3b v4-flash} \
-      --tokens ${TOKENS:-1 8 1024 8192} --variants default csrc=.probe_tid/csrc --rounds 3 --out "$OUT/probe_fresh_tid.json" 2>&1 | tail -9
-    timeout 60 python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1024 8192 \
-      --variants default csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_bf16.json" 2>&1 | tail -3
-    timeout 70 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 \
+    # the builds it changes at EP1: every 32-token one (1-128 tokens; V4-Flash-like 1024); 64-token ones only forced
+    timeout 170 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-qwen3-30b-a3b v4-flash} \
+      --tokens ${TOKENS:-1 8 128 1024} --variants default csrc=.probe_tid/csrc --rounds 3 --out "$OUT/probe_fresh_tid.json" 2>&1 | tail -9
+    timeout 45 python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1 128 1024 \
+      --variants default csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_bf16.json" 2>&1 | tail -4
+    timeout 35 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash qwen3-30b-a3b --tokens 1024 \
+      --variants tile=64 tile=64,csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_64.json" 2>&1 | tail -3
+    timeout 50 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_wg128.json" 2>&1 | tail -3 ;;
   nvl_stores) # ~3 min, 2 GPUs: what the FP8 128-token L2 epilogue's stores cost at EP2, where half its
             # combine rows go to the peer over NVLink in 64-byte runs (kernel_notes v21 (d); at EP1 the

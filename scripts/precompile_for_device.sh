@@ -45,8 +45,9 @@ case "${PLAN:-ep2}" in
     # folder, git apply skips the patch's paths as outside it, silently)
     pc tests/gpu/jit_specs.jsonl
     VLLM_MEGAMOE_CSRC_DIR="$PWD/.probe_tid/csrc" pc tests/gpu/jit_specs.jsonl
-    probe --gpus 1 --shapes qwen3-30b-a3b v4-flash --tokens 1 8 1024 8192 --variants default csrc=.probe_tid/csrc
-    probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1024 8192 --variants default csrc=.probe_tid/csrc
+    probe --gpus 1 --shapes qwen3-30b-a3b v4-flash --tokens 1 8 128 1024 --variants default csrc=.probe_tid/csrc
+    probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1 128 1024 --variants default csrc=.probe_tid/csrc
+    probe --gpus 1 --shapes v4-flash qwen3-30b-a3b --tokens 1024 --variants tile=64 tile=64,csrc=.probe_tid/csrc
     probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc ;;
   *) echo "unknown PLAN=${PLAN}: ep2, ep1 or fresh_tid"; exit 2 ;;
 esac
