@@ -5,7 +5,7 @@
 
 For every shape, tokens per rank and variant (an environment override of the kernel's tuning
 knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
-`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|keep_padding|stores|transpose`
+`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|keep_padding|stores|transpose|task_scales`
 (joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
 times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace and the task trace), `evict_first=1|0|auto`
 -> VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST (the weight copies' L2 policy), `csrc=DIR` ->
@@ -44,7 +44,8 @@ SHORT_POWER_WINDOW_S = 2.0  # --power: nvidia-smi's power.draw averages ~1 s, so
 KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
          # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
-         # tma_warm, narrow, half_rows, epilogue; wrong outputs; keep_padding: right outputs)
+         # tma_warm, narrow, half_rows, epilogue, stores, transpose, task_scales; wrong outputs;
+         # keep_padding: right outputs)
          "ablate": "VLLM_MEGAMOE_SM90_ABLATE",
          # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
          "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",

@@ -36,6 +36,7 @@
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
 #   STEP=fresh_tid main against the thread index read per K loop (benchmarks/results/fresh_tid/): tests, A/B (one GPU)
+#   STEP=task_scales what loading a task's FP8 scale tables at its start costs (ablate=task_scales), one GPU
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
@@ -294,6 +295,13 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-fp8-block} --shapes qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue \
       ablate=epilogue --rounds 3 --iters 300 --out "$OUT/probe_wg128.json" 2>&1 | tail -26 ;;
+  task_scales) # ~3 min, one H200: what loading a task's FP8 scale tables at its start costs where nothing
+            # prefetches them (v33: the 64- and 128-token register-token builds, every prefill task):
+            # ablate=task_scales (only a CTA's first task of a phase loads them) against the default, in
+            # steady state; worth a cp.async double buffer if it saves a few % (it fits Qwen3-like only)
+    timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
+      --tokens ${TOKENS:-1024 8192} --variants default ablate=task_scales --rounds 2 --iters 300 \
+      --out "$OUT/probe_task_scales.json" 2>&1 | tail -14 ;;
   fresh_tid) # ~9 min, one H200: main against the thread index read once per K loop and anew elsewhere in the
             # epilogue-warpgroup builds (v33: their spills gone, K loops as long or shorter; the patch is
             # benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch, its tree made before the call by
@@ -324,5 +332,5 @@ case "${STEP:-verify}" in
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
     timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or fresh_tid"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores, task_scales or fresh_tid"; exit 2 ;;
 esac

@@ -4,7 +4,7 @@
 # (NVRTC here is the device's 13.0, and the cache keys hold only sources, defines and compiler).
 # Carry the folder (`run` carry [".probe_jit"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit there.
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
-#   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl) and STEP=wg128
+#   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl), STEP=wg128 and STEP=task_scales
 #   PLAN=fresh_tid: the patched tree of STEP=fresh_tid (.probe_tid) and the builds its tests and probes load
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
@@ -38,7 +38,8 @@ case "${PLAN:-ep2}" in
   ep1)
     pc tests/gpu/jit_specs.jsonl
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
-      --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue ;;
+      --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
+    probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
   fresh_tid)  # STEP=fresh_tid: the patched tree .probe_tid (made here from HEAD's csrc/), its test and probe builds
     rm -rf .probe_tid && mkdir -p .probe_tid && cp -r csrc .probe_tid/
     git apply -p1 --directory=.probe_tid benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch  # (run inside the

@@ -126,7 +126,7 @@ def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: in
 
 
 # Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|
-# keep_padding|stores|transpose
+# keep_padding|stores|transpose|task_scales
 # ('+'-joined) builds a
 # kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
 # staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
@@ -137,11 +137,14 @@ def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: in
 # their epilogues; keep_padding: the FP8 register-token loops compute the token box's padding rows on
 # the bytes it read instead of zeros (outputs right, the A/B of the zeroing); stores / transpose: the
 # FP8 128-token epilogues that store from the registers compute every value but store no row / store
-# without their quad transposes (what the stores and the shuffles cost); MEGAMOE_ABLATE,
+# without their quad transposes (what the stores and the shuffles cost); task_scales: FP8 tasks past
+# a CTA's first of a phase skip loading their scale tables (what that load costs at each task's
+# start in the 64- and 128-token builds, which cannot prefetch it into registers); MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong (but with keep_padding alone); the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
-             "half_rows": 128, "epilogue": 256, "keep_padding": 512, "stores": 1024, "transpose": 2048}
+             "half_rows": 128, "epilogue": 256, "keep_padding": 512, "stores": 1024, "transpose": 2048,
+             "task_scales": 4096}
 ABLATIONS_WITH_RIGHT_OUTPUTS = ABLATIONS["keep_padding"]
 
 

@@ -120,6 +120,8 @@ constexpr u32 kAblateEpilogue = 256; // epilogue warpgroup: the hand-off runs, t
 constexpr u32 kAblateKeepPadding = 512;  // FP8 register-token loops: padding token rows keep the bytes the box read
 constexpr u32 kAblateStores = 1024;     // FP8 128-token epilogues from the registers: every value computed, no row stored
 constexpr u32 kAblateTranspose = 2048;  // FP8 128-token epilogues from the registers: stored without the quad transposes
+constexpr u32 kAblateTaskScales = 4096; // FP8: only a CTA's first task of a phase loads its scale tables; later
+                                        // tasks promote with what the tables hold (cta_gemm.cuh stage_task_scales)
 
 // Error codes written to the workspace error flag before trapping.
 constexpr int kErrorStagingOverflow = 2;

@@ -31,6 +31,9 @@ template <u32 K>
 MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
                                       const TaskOperands* next) {
   constexpr u32 KB = K / kScaleBlock;
+  if constexpr (kAblate & kAblateTaskScales) {  // profiling: what loading them at a task's start costs
+    if (st.tasks > 1) return;
+  }
   if (TaskScaleRegs<KB>::kPrefetch && st.scales_prefetched) store_task_scale_regs<KB>(sm, st.next_scales);
   else load_task_scales<KB>(sm, cur);
   st.scales_prefetched = TaskScaleRegs<KB>::kPrefetch && next != nullptr;
