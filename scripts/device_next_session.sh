@@ -55,8 +55,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-# A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit, filled by
-# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or PLAN=ep1) before the call, carry [".probe_jit"]:
+# A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2, filled by
+# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or ep1, fresh_tid: .probe_jit/<PLAN>) before the call, carry [".probe_jit/ep2"]:
 # ~75 builds the EP2 steps load, ~3 min of this machine's CPU instead of the device's); every step
 # records the kernels it loads into $OUT/jit_specs.jsonl: merged into tests/gpu/jit_specs.jsonl,
 # the next session compiles them here before its device calls (v30: with the cache filled the
@@ -305,7 +305,7 @@ case "${STEP:-verify}" in
   fresh_tid) # ~9 min, one H200: main against the thread index read once per K loop and anew elsewhere in the
             # epilogue-warpgroup builds (v33: their spills gone, K loops as long or shorter; the patch is
             # benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch, its tree made before the call by
-            # `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry [".probe_tid", ".probe_jit"]):
+            # `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry [".probe_tid", ".probe_jit/fresh_tid"]):
             # the tree's one-GPU and shared-GPU kernel tests, graph times of both trees in one process, in
             # turn (outputs should agree bit for bit): FP8, BF16, the 64-token builds forced, then the
             # opt-in 128-token epilogue warpgroup (v31: 1.01-1.06x slower, 80 spill refills per task path

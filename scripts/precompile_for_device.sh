@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# No GPU: compile into .probe_jit (or VLLM_MEGAMOE_CACHE_DIR) the SM90 builds the next device calls of
+# No GPU: compile into .probe_jit/<PLAN> (or VLLM_MEGAMOE_CACHE_DIR) the SM90 builds the next device calls of
 # scripts/device_next_session.sh load, so the device spends its minutes running them, not compiling
 # (NVRTC here is the device's 13.0, and the cache keys hold only sources, defines and compiler).
-# Carry the folder (`run` carry [".probe_jit"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit there.
+# Carry the plan's folder (`run` carry [".probe_jit/ep2"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2
+# there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
 #   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl), STEP=wg128 and STEP=task_scales
 #   PLAN=fresh_tid: the patched tree of STEP=fresh_tid (.probe_tid) and the builds its tests and probes load
@@ -11,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
-export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-$PWD/.probe_jit}"
+export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-$PWD/.probe_jit/${PLAN:-ep2}}"
 pc() { "$PY" -m vllm_megamoe.cli precompile "$@" | tail -1; }
 probe() {  # a failing probe shows why (its last lines) and stops the script
   local log; log=$(mktemp)
@@ -53,10 +54,10 @@ case "${PLAN:-ep2}" in
   *) echo "unknown PLAN=${PLAN}: ep2, ep1 or fresh_tid"; exit 2 ;;
 esac
 du -sh "$VLLM_MEGAMOE_CACHE_DIR"
-# `run` carries 64 MiB in all (.whl's wheels are 7 of them): a cache that grew over several plans
-# and source versions is refilled with only the plan the next call runs
+# `run` carries 64 MiB in all (.whl's wheels are 7 of them): a plan's cache that grew over several
+# source versions is emptied and filled again
 size_mb=$(du -sm "$VLLM_MEGAMOE_CACHE_DIR" | cut -f1)
 if [ "$size_mb" -gt 50 ]; then
   echo "warning: $VLLM_MEGAMOE_CACHE_DIR holds ${size_mb} MB, near the 64 MiB a device call carries;" \
-       "rm -rf it and run only the PLAN of the next call"
+       "rm -rf it and run this PLAN again"
 fi
