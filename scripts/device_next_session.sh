@@ -36,6 +36,7 @@
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
 #   STEP=fresh_tid main against the thread index read per K loop (benchmarks/results/fresh_tid/): tests, A/B (one GPU)
+#   STEP=scales_next the next task's FP8 scales fetched during this one (a patch), tests and A/B, one GPU
 #   STEP=task_scales what loading a task's FP8 scale tables at its start costs (ablate=task_scales), one GPU
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
@@ -302,6 +303,18 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=task_scales --rounds 2 --iters 300 \
       --out "$OUT/probe_task_scales.json" 2>&1 | tail -14 ;;
+  scales_next) # ~6 min, one H200: benchmarks/results/task_scales/scales_next_bulk.patch (the next task's FP8 scales
+            # fetched by a bulk copy during this one, Qwen3-like 128-token builds; its tree made before the
+            # call by `PLAN=task_scales bash scripts/precompile_for_device.sh`, carry [".probe_scales",
+            # ".probe_jit/task_scales"]): the tree's FP8 one-GPU tests, then main, the patch and
+            # ablate=task_scales (the most a prefetch saves) in one process, in steady state
+    env "VLLM_MEGAMOE_CSRC_DIR=$PWD/.probe_scales/csrc" timeout 200 python3 -m pytest $T -o timeout=190 \
+      tests/gpu/test_sm90_mega_moe.py -k "(token_tiles_one_gpu and 128) or clamp or (one_gpu and fp8)" \
+      > "$OUT/scales_next_tests.log" 2>&1  # the 128-token ones reach 4096 tokens: many tasks a CTA, the fetch taken
+    tail -2 "$OUT/scales_next_tests.log"
+    timeout 150 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens ${TOKENS:-1024 4096 8192} \
+      --variants default csrc=.probe_scales/csrc ablate=task_scales --rounds 3 --iters 300 \
+      --out "$OUT/probe_scales_next.json" 2>&1 | tail -8 ;;
   fresh_tid) # ~9 min, one H200: main against the thread index read once per K loop and anew elsewhere in the
             # epilogue-warpgroup builds (v33: their spills gone, K loops as long or shorter; the patch is
             # benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch, its tree made before the call by
@@ -332,5 +345,5 @@ case "${STEP:-verify}" in
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
     timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores, task_scales or fresh_tid"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores, task_scales, scales_next or fresh_tid"; exit 2 ;;
 esac

@@ -632,6 +632,7 @@ def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
     from vllm_megamoe.kernels.sm90_tuning import Choice
 
+    monkeypatch.delenv("VLLM_MEGAMOE_CSRC_DIR", raising=False)  # _make_spec below names no tree; kernel_spec would
     if env is not None:
         monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", env)
     shape = MoEShape(4096, 2048, 256, 6)
