@@ -57,7 +57,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2, filled by
-# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or ep1, fresh_tid: .probe_jit/<PLAN>) before the call, carry [".probe_jit/ep2"]:
+# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or ep1, fresh_tid, task_scales: .probe_jit/<PLAN>) before the
+# call, carry [".probe_jit/ep2"]:
 # ~75 builds the EP2 steps load, ~3 min of this machine's CPU instead of the device's); every step
 # records the kernels it loads into $OUT/jit_specs.jsonl: merged into tests/gpu/jit_specs.jsonl,
 # the next session compiles them here before its device calls (v30: with the cache filled the
@@ -299,7 +300,7 @@ case "${STEP:-verify}" in
   task_scales) # ~3 min, one H200: what loading a task's FP8 scale tables at its start costs where nothing
             # prefetches them (v33: the 64- and 128-token register-token builds, every prefill task):
             # ablate=task_scales (only a CTA's first task of a phase loads them) against the default, in
-            # steady state; worth a cp.async double buffer if it saves a few % (it fits Qwen3-like only)
+            # steady state; if it saves a few %, STEP=scales_next runs the prefetch (Qwen3-like 128-token builds)
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=task_scales --rounds 2 --iters 300 \
       --out "$OUT/probe_task_scales.json" 2>&1 | tail -14 ;;
