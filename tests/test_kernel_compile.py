@@ -361,6 +361,15 @@ def test_ablation_bits_match_the_kernel():
     kernel = {re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower(): int(bit) for name, bit in pairs}
     assert kernel == sm90_mega_moe.ABLATIONS
     assert f"#if MEGAMOE_ABLATE & {kernel['tma_warm']}" in (mega / "mainloop_smem.cuh").read_text()
+    # every name is where a user looks it up: the setting's help and docs/serving.md's table
+    import pathlib
+
+    from vllm_megamoe.plugin import settings
+    help_text = settings.KEYS["sm90_ablate"].help
+    serving = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    row = next(line for line in serving.splitlines() if line.startswith("| `sm90_ablate`"))
+    for name in kernel:
+        assert name in help_text and f"`{name}`" in row, name
 
 
 def test_error_record_phases_match_the_kernel():

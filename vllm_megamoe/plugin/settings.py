@@ -175,7 +175,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("sm90_ablate", _text, None,
         "Profiling only, outputs are wrong (but with keep_padding alone, an A/B build): SM90 builds without part "
         "of the GEMM mainloop "
-        "('+'-joined: promotion, mma, token_rows, weight_rows, tma, tma_warm, narrow, half_rows, epilogue, keep_padding, stores, transpose) to time what "
+        "('+'-joined: promotion, mma, token_rows, weight_rows, tma, tma_warm, narrow, half_rows, epilogue, keep_padding, stores, transpose, task_scales) to time what "
         "is left (benchmarks/kernel_probe.py).",
         core_env=True),
     Key("sm90_chunk_trace", _flag, "0",
