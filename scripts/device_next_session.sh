@@ -338,9 +338,10 @@ case "${STEP:-verify}" in
     timeout 45 python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1 128 1024 \
       --variants default csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_bf16.json" 2>&1 | tail -4
     timeout 35 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash qwen3-30b-a3b --tokens 1024 \
-      --variants tile=64 tile=64,csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_64.json" 2>&1 | tail -3
+      --variants tile=64 tile=64,csrc=.probe_tid/csrc --rounds 2 --iters 100 --out "$OUT/probe_fresh_tid_64.json" 2>&1 | tail -3
     timeout 50 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 \
-      --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_wg128.json" 2>&1 | tail -3 ;;
+      --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc --rounds 2 --iters 300 \
+      --out "$OUT/probe_fresh_tid_wg128.json" 2>&1 | tail -3 ;;  # prefill in steady state (v28)
   nvl_stores) # ~3 min, 2 GPUs: what the FP8 128-token L2 epilogue's stores cost at EP2, where half its
             # combine rows go to the peer over NVLink in 64-byte runs (kernel_notes v21 (d); at EP1 the
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
