@@ -35,8 +35,6 @@
 #                rounds in turn), then memcheck and racecheck, within BUDGET s (TEST_TIMEOUT: the
 #                one-GPU tests' limit; NO_SANITIZE=1: no sanitizers, the probe gets their time)
 #   STEP=sanitize memcheck and racecheck on the sanitize probe alone (one GPU)
-#   STEP=fresh_tid main against the thread index read per K loop (benchmarks/results/fresh_tid/): tests, A/B (one GPU)
-#   STEP=scales_next the next task's FP8 scales fetched during this one (a patch), tests and A/B, one GPU
 #   STEP=task_scales what loading a task's FP8 scale tables at its start costs (ablate=task_scales), one GPU
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
@@ -57,7 +55,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 # A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2, filled by
-# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or ep1, fresh_tid, task_scales: .probe_jit/<PLAN>) before the
+# `PLAN=ep2 bash scripts/precompile_for_device.sh` (or ep1: .probe_jit/<PLAN>) before the
 # call, carry [".probe_jit/ep2"]:
 # ~75 builds the EP2 steps load, ~3 min of this machine's CPU instead of the device's); every step
 # records the kernels it loads into $OUT/jit_specs.jsonl: merged into tests/gpu/jit_specs.jsonl,
@@ -300,52 +298,14 @@ case "${STEP:-verify}" in
   task_scales) # ~3 min, one H200: what loading a task's FP8 scale tables at its start costs where nothing
             # prefetches them (v33: the 64- and 128-token register-token builds, every prefill task):
             # ablate=task_scales (only a CTA's first task of a phase loads them) against the default, in
-            # steady state; if it saves a few %, STEP=scales_next runs the prefetch (Qwen3-like 128-token builds)
+            # steady state (v33: 0.92-0.93x at 8192 tokens; the prefetch, on main since, takes about half of it)
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=task_scales --rounds 2 --iters 300 \
       --out "$OUT/probe_task_scales.json" 2>&1 | tail -14 ;;
-  scales_next) # ~6 min, one H200: benchmarks/results/task_scales/scales_next_bulk.patch (the next task's FP8 scales
-            # fetched by a bulk copy during this one, Qwen3-like 128-token builds; its tree made before the
-            # call by `PLAN=task_scales bash scripts/precompile_for_device.sh`, carry [".probe_scales",
-            # ".probe_jit/task_scales"]): the tree's FP8 one-GPU tests, then main, the patch and
-            # ablate=task_scales (the most a prefetch saves) in one process, in steady state
-    env "VLLM_MEGAMOE_CSRC_DIR=$PWD/.probe_scales/csrc" timeout 200 python3 -m pytest $T -o timeout=190 \
-      tests/gpu/test_sm90_mega_moe.py -k "(token_tiles_one_gpu and 128) or clamp or (one_gpu and fp8)" \
-      > "$OUT/scales_next_tests.log" 2>&1  # the 128-token ones reach 4096 tokens: many tasks a CTA, the fetch taken
-    tail -2 "$OUT/scales_next_tests.log"
-    timeout 150 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens ${TOKENS:-1024 4096 8192} \
-      --variants default csrc=.probe_scales/csrc ablate=task_scales --rounds 3 --iters 300 \
-      --out "$OUT/probe_scales_next.json" 2>&1 | tail -8 ;;
-  fresh_tid) # ~9 min, one H200: main against the thread index read once per K loop and anew elsewhere in the
-            # epilogue-warpgroup builds (v33: their spills gone, K loops as long or shorter; the patch is
-            # benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch, its tree made before the call by
-            # `PLAN=fresh_tid bash scripts/precompile_for_device.sh`, carry [".probe_tid", ".probe_jit/fresh_tid"]):
-            # the tree's one-GPU and shared-GPU kernel tests, graph times of both trees in one process, in
-            # turn (outputs should agree bit for bit): FP8, BF16, the 64-token builds forced, then the
-            # opt-in 128-token epilogue warpgroup (v31: 1.01-1.06x slower, 80 spill refills per task path
-            # at EP1) with and without its spills; the timeouts sum to 540 s
-    TID="VLLM_MEGAMOE_CSRC_DIR=$PWD/.probe_tid/csrc"
-    env "$TID" timeout 160 python3 -m pytest $T -o timeout=150 tests/gpu/test_sm90_mega_moe.py -k one_gpu \
-      > "$OUT/tid_tests_1gpu.log" 2>&1
-    tail -2 "$OUT/tid_tests_1gpu.log"
-    env "$TID" MEGAMOE_SHARED_GPU=1 VLLM_MEGAMOE_TIMEOUT_S=20 timeout 80 python3 -m pytest $T -o timeout=75 \
-      tests/gpu/test_sm90_mega_moe.py -k "(multi_gpu and small and fp8) or back_to_back_calls_multi or (cuda_graph_multi and fp8)" \
-      > "$OUT/tid_tests_shared.log" 2>&1
-    tail -2 "$OUT/tid_tests_shared.log"
-    # the builds it changes at EP1: every 32-token one (1-128 tokens; V4-Flash-like 1024); 64-token ones only forced
-    timeout 170 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-qwen3-30b-a3b v4-flash} \
-      --tokens ${TOKENS:-1 8 128 1024} --variants default csrc=.probe_tid/csrc --rounds 3 --out "$OUT/probe_fresh_tid.json" 2>&1 | tail -9
-    timeout 45 python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1 128 1024 \
-      --variants default csrc=.probe_tid/csrc --rounds 2 --out "$OUT/probe_fresh_tid_bf16.json" 2>&1 | tail -4
-    timeout 35 python3 -m benchmarks.kernel_probe --gpus 1 --shapes v4-flash qwen3-30b-a3b --tokens 1024 \
-      --variants tile=64 tile=64,csrc=.probe_tid/csrc --rounds 2 --iters 100 --out "$OUT/probe_fresh_tid_64.json" 2>&1 | tail -3
-    timeout 50 python3 -m benchmarks.kernel_probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 \
-      --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc --rounds 2 --iters 300 \
-      --out "$OUT/probe_fresh_tid_wg128.json" 2>&1 | tail -3 ;;  # prefill in steady state (v28)
   nvl_stores) # ~3 min, 2 GPUs: what the FP8 128-token L2 epilogue's stores cost at EP2, where half its
             # combine rows go to the peer over NVLink in 64-byte runs (kernel_notes v21 (d); at EP1 the
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
     timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores, task_scales, scales_next or fresh_tid"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or task_scales"; exit 2 ;;
 esac

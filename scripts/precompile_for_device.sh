@@ -6,8 +6,6 @@
 # there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
 #   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl), STEP=wg128 and STEP=task_scales
-#   PLAN=fresh_tid: the patched tree of STEP=fresh_tid (.probe_tid) and the builds its tests and probes load
-#   PLAN=task_scales: STEP=task_scales, and STEP=scales_next's patched tree (.probe_scales) with its builds
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
 set -euo pipefail
@@ -42,23 +40,7 @@ case "${PLAN:-ep2}" in
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
     probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
-  fresh_tid)  # STEP=fresh_tid: the patched tree .probe_tid (made here from HEAD's csrc/), its test and probe builds
-    rm -rf .probe_tid && mkdir -p .probe_tid && cp -r csrc .probe_tid/
-    git apply -p1 --directory=.probe_tid benchmarks/results/fresh_tid/fresh_tid_per_k_loop.patch  # (run inside the
-    # folder, git apply skips the patch's paths as outside it, silently)
-    pc tests/gpu/jit_specs.jsonl
-    VLLM_MEGAMOE_CSRC_DIR="$PWD/.probe_tid/csrc" pc tests/gpu/jit_specs.jsonl
-    probe --gpus 1 --shapes qwen3-30b-a3b v4-flash --tokens 1 8 128 1024 --variants default csrc=.probe_tid/csrc
-    probe --gpus 1 --format bf16 --shapes v4-flash --tokens 1 128 1024 --variants default csrc=.probe_tid/csrc
-    probe --gpus 1 --shapes v4-flash qwen3-30b-a3b --tokens 1024 --variants tile=64 tile=64,csrc=.probe_tid/csrc
-    probe --gpus 1 --shapes qwen3-30b-a3b --tokens 2048 8192 --variants epilogue_wg128=1 epilogue_wg128=1,csrc=.probe_tid/csrc ;;
-  task_scales)  # STEP=task_scales and STEP=scales_next (the tree .probe_scales, made here from HEAD's csrc/)
-    rm -rf .probe_scales && mkdir -p .probe_scales && cp -r csrc .probe_scales/
-    git apply -p1 --directory=.probe_scales benchmarks/results/task_scales/scales_next_bulk.patch
-    VLLM_MEGAMOE_CSRC_DIR="$PWD/.probe_scales/csrc" pc tests/gpu/jit_specs.jsonl
-    probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales
-    probe --gpus 1 --shapes qwen3-30b-a3b --tokens 1024 4096 8192 --variants default csrc=.probe_scales/csrc ablate=task_scales ;;
-  *) echo "unknown PLAN=${PLAN}: ep2, ep1, fresh_tid or task_scales"; exit 2 ;;
+  *) echo "unknown PLAN=${PLAN}: ep2 or ep1"; exit 2 ;;
 esac
 du -sh "$VLLM_MEGAMOE_CACHE_DIR"
 # `run` carries 64 MiB in all (.whl's wheels are 7 of them): a plan's cache that grew over several

@@ -74,14 +74,14 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
 #if MEGAMOE_SMEM_MAINLOOP
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
   init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the dispatch barrier)
-  if (threadIdx.x == 0) init_handoff(epilogue);  // the epilogue warpgroup's (likewise)
+  if (thread_index() == 0) init_handoff(epilogue);  // the epilogue warpgroup's (likewise)
 #else
   MainloopSmem* mainloop = nullptr;
 #endif
   const Regions me{p.peers[p.rank]};
   const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
 #if MEGAMOE_SMEM_MAINLOOP >= 3
-  if (threadIdx.x == 0) {  // the four descriptors into the cache now, not at each phase's first copy
+  if (thread_index() == 0) {  // the four descriptors into the cache now, not at each phase's first copy
     tma_prefetch_descriptor(maps.w13);
     tma_prefetch_descriptor(maps.w2);
     tma_prefetch_descriptor(maps.l1);
@@ -110,7 +110,7 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   // (epilogue_warpgroup.cuh); every warp takes the launch's share again for the phases after.
   // Between two setmaxnreg of a warpgroup its warps meet at a barrier (the PTX ISA's rule): a CTA
   // without tasks may otherwise pass from one to the next without any.
-  if (threadIdx.x >= kNumMmaThreads) {
+  if (thread_index() >= kNumMmaThreads) {
     setmaxnreg_dec<kEpilogueRegs>();
     run_epilogue_warpgroup(epilogue, p);
     named_barrier_sync(kBarrierEpilogue, kEpilogueWarps * 32);

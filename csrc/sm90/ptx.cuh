@@ -17,7 +17,7 @@ MEGAMOE_DEVICE u32 lane_id() {
 
 // Warp index made warp-uniform so the compiler can branch on it without divergence.
 MEGAMOE_DEVICE int warp_uniform_warp_idx() {
-  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
+  return __shfl_sync(0xffffffffu, static_cast<int>(thread_index()) / 32, 0);
 }
 
 // ---------------------------------------------------------------- mbarrier
@@ -65,7 +65,7 @@ MEGAMOE_DEVICE void mbarrier_wait(u64* bar, u32 parity, int tag) {
     if (clock64() - start > MEGAMOE_WAIT_TIMEOUT_CYCLES) {
       if constexpr (kReport) {
         printf("megamoe: mbarrier wait timed out (tag %d, block %d, thread %d, parity %u)\n", tag,
-               static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), parity);
+               static_cast<int>(blockIdx.x), static_cast<int>(thread_index()), parity);
       }
       asm volatile("trap;");
     }

@@ -45,14 +45,15 @@ MEGAMOE_DEVICE int accum_row(int i, int warp_in_wg, int lane) {
 MEGAMOE_DEVICE int accum_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane % 4) + (i & 1); }
 
 // For load_a_fragment_fp8_sw128 below: the tile row whose 16 bytes this lane hands ldmatrix (the
-// lanes holding that row's values receive them), and that address for k-step kk.
-MEGAMOE_DEVICE u32 a_fragment_lane_row() {
-  const u32 lane = threadIdx.x % 32, matrix = lane / 8;
-  return 16 * (threadIdx.x / 32 % 4) + (matrix % 2) * 8 + lane % 8;
+// lanes holding that row's values receive them), and that address for k-step kk. `tid`: the
+// thread's index (a K loop passes the one it read at its entry, common.cuh thread_index).
+MEGAMOE_DEVICE u32 a_fragment_lane_row(u32 tid = thread_index()) {
+  const u32 lane = tid % 32, matrix = lane / 8;
+  return 16 * (tid / 32 % 4) + (matrix % 2) * 8 + lane % 8;
 }
 // The lane's ldmatrix address when its fragment row a_fragment_lane_row() is read from tile row `row`.
-MEGAMOE_DEVICE u32 a_fragment_row_address_fp8_sw128(u32 tile_smem_address, u32 row, u32 kk) {
-  const u32 segment = 2 * kk + (threadIdx.x % 32) / 16;
+MEGAMOE_DEVICE u32 a_fragment_row_address_fp8_sw128(u32 tile_smem_address, u32 row, u32 kk, u32 tid = thread_index()) {
+  const u32 segment = 2 * kk + (tid % 32) / 16;
   return tile_smem_address + row * 128 + ((segment ^ (row % 8)) * 16);
 }
 MEGAMOE_DEVICE u32 a_fragment_lane_address_fp8_sw128(u32 tile_smem_address, u32 kk) {

@@ -53,7 +53,7 @@ MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) {
 // the publisher's fence.
 constexpr u32 kLatePublisher = 32;
 MEGAMOE_DEVICE void publish_unpublished(const Regions& me, u32& unpublished) {
-  if (threadIdx.x == kLatePublisher && unpublished != ~0u) publish_l1_tile(me, unpublished);
+  if (thread_index() == kLatePublisher && unpublished != ~0u) publish_l1_tile(me, unpublished);
   unpublished = ~0u;
 }
 
@@ -104,7 +104,7 @@ MEGAMOE_DEVICE bool every_block_ready(const Regions& me, u32 slot, u32 need) {
 // rows) or kPhaseL1 (an L2 task waiting for its block's L1 tiles), for the timeout's report.
 MEGAMOE_DEVICE bool wait_block(const Params& p, const Regions& me, u32 block, u32 need, u32 next_block, u32 next_need,
                                u32 every_slot, u32 every_need, BlockReadyState& rs, int phase, u32 traced_task) {
-  if (threadIdx.x == 0) {
+  if (thread_index() == 0) {
     bool next_ready = next_block != ~0u;
     if (!rs.every_ready && !(rs.every_ready = every_block_ready(me, every_slot, every_need))) {
       if (block != rs.known_ready && !block_reached(me, block, need)) {
@@ -161,9 +161,9 @@ MEGAMOE_DEVICE bool wait_l1_block(const Params& p, const Regions& me, const Expe
 // After the combine barrier (every L2 task of this rank is done): zero the counters of the
 // call's `blocks` token blocks and the two phase counts for the next call.
 MEGAMOE_DEVICE void reset_l1_blocks(const Regions& me, u32 blocks) {
-  for (u32 b = blockIdx.x * kNumThreads + threadIdx.x; b < blocks; b += gridDim.x * kNumThreads)
+  for (u32 b = blockIdx.x * kNumThreads + thread_index(); b < blocks; b += gridDim.x * kNumThreads)
     me.l1_block_done()[b] = 0;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {  // and the phase counts
+  if (blockIdx.x == 0 && thread_index() == 0) {  // and the phase counts
     me.workspace()[kSlotPulledWarps] = 0;
     me.workspace()[kSlotL1TilesDone] = 0;
   }

@@ -16,7 +16,7 @@ MEGAMOE_DEVICE void reduce_combine(const Params& p, const Regions& me) {
   constexpr u32 kChunks = kHidden / 8;  // 16-byte chunks of 8 bf16 per row
   constexpr u32 kSlotGroup = kTopk < 8 ? kTopk : 8;
   const u32 total = static_cast<u32>(p.num_tokens) * kChunks;
-  for (u32 i = blockIdx.x * kNumThreads + threadIdx.x; i < total; i += gridDim.x * kNumThreads) {
+  for (u32 i = blockIdx.x * kNumThreads + thread_index(); i < total; i += gridDim.x * kNumThreads) {
     const u32 token = i / kChunks, c = i % kChunks;
     float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (u32 k0 = 0; k0 < kTopk; k0 += kSlotGroup) {
@@ -53,9 +53,9 @@ MEGAMOE_DEVICE void reduce_combine(const Params& p, const Regions& me) {
 // Leaves the per-call counters at zero for the next call (this rank's own; peers rewrite theirs).
 MEGAMOE_DEVICE void reset_counters(const Regions& me) {
   if (blockIdx.x != 0) return;
-  for (u32 e = threadIdx.x; e < kNumExperts; e += kNumThreads) me.send_count()[e] = 0;
-  if (threadIdx.x < kNumRanks) me.token_send_count()[threadIdx.x] = 0;
-  if (threadIdx.x == 0) me.workspace()[kSlotCallCount] += 1;
+  for (u32 e = thread_index(); e < kNumExperts; e += kNumThreads) me.send_count()[e] = 0;
+  if (thread_index() < kNumRanks) me.token_send_count()[thread_index()] = 0;
+  if (thread_index() == 0) me.workspace()[kSlotCallCount] += 1;
 }
 
 }  // namespace megamoe::mega

@@ -8,18 +8,18 @@
 namespace megamoe::mega {
 
 // acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
-MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles) {
+MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles, u32 tid) {
   if constexpr (!kFP8) {
-    if constexpr (kWgmma) wgmma_chunk<0>(acc, sm, stage);
-    else mma_chunk(acc, sm, stage, ntiles);
+    if constexpr (kWgmma) wgmma_chunk<0>(acc, sm, stage, tid);
+    else mma_chunk(acc, sm, stage, ntiles, tid);
   } else if constexpr (kWgmma) {
-    wgmma_chunk_promote_overlapped(acc, sm, stage, c);
+    wgmma_chunk_promote_overlapped(acc, sm, stage, c, tid);
   } else {
     WarpAcc part;
     part.zero();
-    mma_chunk(part, sm, stage, ntiles);
+    mma_chunk(part, sm, stage, ntiles, tid);
     PromoteScales<> scales;
-    load_promote_scales(scales, sm, c);
+    load_promote_scales(scales, sm, c, tid);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) promote_tile(acc.v[mt], &part.v[mt][0][0], scales);
   }
@@ -29,15 +29,15 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
 // or loaded now), and the next task's into registers while this one's K loop runs.
 template <u32 K>
 MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
-                                      const TaskOperands* next) {
+                                      const TaskOperands* next, u32 tid) {
   constexpr u32 KB = K / kScaleBlock;
   if constexpr (kAblate & kAblateTaskScales) {  // profiling: what loading them at a task's start costs
     if (st.tasks > 1) return;
   }
-  if (TaskScaleRegs<KB>::kPrefetch && st.scales_prefetched) store_task_scale_regs<KB>(sm, st.next_scales);
-  else load_task_scales<KB>(sm, cur);
+  if (TaskScaleRegs<KB>::kPrefetch && st.scales_prefetched) store_task_scale_regs<KB>(sm, st.next_scales, tid);
+  else load_task_scales<KB>(sm, cur, tid);
   st.scales_prefetched = TaskScaleRegs<KB>::kPrefetch && next != nullptr;
-  if (st.scales_prefetched) load_task_scale_regs<KB>(st.next_scales, *next);  // in flight through the K loop
+  if (st.scales_prefetched) load_task_scale_regs<KB>(st.next_scales, *next, tid);  // in flight through the K loop
 }
 
 // The whole K loop of one task: acc = sum over chunks [x scales per 128-K block for FP8].
@@ -55,20 +55,22 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   constexpr u32 kAhead = S - 1;  // chunks in flight past the one computed
   if (kChunks < kAhead) next = nullptr;  // too short to stream on: every task fills its own stages
   const u32 ntiles = (cur.rows.num_rows + 7) / 8;
+  const u32 tid = thread_index();  // once for the whole K loop (common.cuh thread_index)
+  __builtin_assume(tid < kNumMmaThreads);
   if constexpr (!kLagPromotion) acc.zero();
   if (!st.prefetched) {
 #pragma unroll
     for (u32 s = 0; s < kAhead; ++s) {
-      if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur, p);
+      if (s < kChunks) load_chunk<K>(sm, (st.seq + s) % S, s, cur, p, tid);
       cp_async_commit();
     }
   }
-  if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next);  // visible to every thread after the first chunk's barrier
+  if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next, tid);  // visible to every thread after the first chunk's barrier
 #if MEGAMOE_SMEM_MAINLOOP == 3
-  if constexpr (kRegisterTokens128) k_loop_register_tokens_128<K>(acc, sm, st, cur, next, p);  // zeroes acc
-  else if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p);  // zeroes acc
-  else if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p);  // zeroes acc itself
-  else if constexpr (kDeferWgmmaWait) k_loop_deferred_wait<K>(acc, sm, st, cur, next, p);
+  if constexpr (kRegisterTokens128) k_loop_register_tokens_128<K>(acc, sm, st, cur, next, p, tid);  // zeroes acc
+  else if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p, tid);  // zeroes acc
+  else if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p, tid);  // zeroes acc itself
+  else if constexpr (kDeferWgmmaWait) k_loop_deferred_wait<K>(acc, sm, st, cur, next, p, tid);
   else
 #endif
   for (u32 c = 0; c < kChunks; ++c) {
@@ -79,9 +81,9 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
 #endif
     mma_barrier();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
-    load_chunk_ahead<K>(sm, st, c + kAhead, cur, next, p);
+    load_chunk_ahead<K>(sm, st, c + kAhead, cur, next, p, tid);
     cp_async_commit();
-    chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles);
+    chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles, tid);
   }
   st.seq += kChunks;
   st.prefetched = next != nullptr;

@@ -22,7 +22,7 @@ constexpr u32 kStageValues = 256;  // bf16 values per warp item
 static_assert(kHidden % kStageValues == 0, "staging takes 256 values per warp item");
 
 MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
-  const u32 lane = threadIdx.x % 32;
+  const u32 lane = thread_index() % 32;
   const u32 pieces = kHidden / kStageValues, items = p.num_tokens * pieces;
   for (u32 item0 = global_warp(); item0 < items; item0 += kStageBatch * total_warps()) {
     uint4 batch[kStageBatch];
@@ -75,9 +75,9 @@ MEGAMOE_DEVICE void stage_tokens(const Params& p, const Regions& me) {
 // the announce's loads, atomics and peer stores) then run on different SMs side by side instead of
 // one after the other in CTA 0's first warp.
 MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
-  const u32 lane = threadIdx.x % 32;
+  const u32 lane = thread_index() % 32;
   const u32 cta = gridDim.x - 1 - blockIdx.x;
-  for (u32 token = cta * kNumThreads + threadIdx.x; token < static_cast<u32>(p.num_tokens);
+  for (u32 token = cta * kNumThreads + thread_index(); token < static_cast<u32>(p.num_tokens);
        token += gridDim.x * kNumThreads) {
     // Loads first, then every counter atomic (one per slot, one per destination and warp), then
     // the stores: written slot by slot, each slot's load waited for the previous slot's atomic
@@ -155,17 +155,17 @@ MEGAMOE_DEVICE void announce_pairs(const Params& p, const Regions& me) {
 // no rank reaches before it built this table): one round trip of loads from each peer instead
 // of a step in the barrier where the last CTA of each rank writes them to every peer.
 MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, const Regions& me) {
-  for (u32 i = threadIdx.x; i < kNumLocalExperts * kNumRanks; i += kNumThreads) {
+  for (u32 i = thread_index(); i < kNumLocalExperts * kNumRanks; i += kNumThreads) {
     const u32 e = i % kNumLocalExperts, r = i / kNumLocalExperts;  // consecutive threads, consecutive words
     const Regions src{p.peers[r]};
     const u32 sent = ld_cg_u32(reinterpret_cast<const u8*>(src.send_count() + p.rank * kNumLocalExperts + e));
     table.src_count[e][r] = sent < kMaxTokens ? sent : kMaxTokens;  // more only when a token lists an expert twice
   }
-  if (threadIdx.x == 0) table.pulled_warps = 0;  // read after pull_rows (its warps meet at the barriers below)
+  if (thread_index() == 0) table.pulled_warps = 0;  // read after pull_rows (its warps meet at the barriers below)
   // In the same round trip as the counts (pull_rows needs them; a load there of its own cost a
   // dependent round trip before the first row load).
-  if (threadIdx.x >= kNumThreads - kNumRanks) {
-    const u32 r = threadIdx.x - (kNumThreads - kNumRanks);
+  if (thread_index() >= kNumThreads - kNumRanks) {
+    const u32 r = thread_index() - (kNumThreads - kNumRanks);
     const Regions src{p.peers[r]};
     table.listed[r] = ld_cg_u32(reinterpret_cast<const u8*>(src.token_send_count() + p.rank));
   }
@@ -173,9 +173,9 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
   // The prefix sums by warp 0: each lane sums a run of experts, a warp scan places the runs. One
   // thread walking the experts waited a shared-memory load per expert (the table's stores may
   // alias its loads): ~50 cycles each, 3 us for 128 local experts on every CTA before the pull.
-  if (threadIdx.x < 32) {
+  if (thread_index() < 32) {
     constexpr u32 kPerLane = (kNumLocalExperts + 31) / 32;
-    const u32 lane = threadIdx.x, first = lane * kPerLane;
+    const u32 lane = thread_index(), first = lane * kPerLane;
     u32 n[kPerLane], rows = 0, blocks = 0;
 #pragma unroll
     for (u32 i = 0; i < kPerLane; ++i) {
@@ -259,7 +259,7 @@ MEGAMOE_DEVICE PullSlot pull_slot(const ExpertTable& table, const Regions& me, c
 constexpr u32 kHeldItems = 8;  // pull items per warp whose token blocks pull_rows keeps for the count
 
 MEGAMOE_DEVICE void pull_rows(ExpertTable& table, const Params& p, const Regions& me) {
-  const u32 lane = threadIdx.x % 32;
+  const u32 lane = thread_index() % 32;
   u32 listed[kNumRanks], total = 0;
 #pragma unroll
   for (u32 r = 0; r < kNumRanks; ++r) {

@@ -62,7 +62,7 @@ MEGAMOE_DEVICE void handoff_wait_empty(EpilogueSmem& smem, u32 handoffs, const P
 // After the tile is written: the header (thread 0), then every MMA thread arrives.
 MEGAMOE_DEVICE void handoff_publish(EpilogueSmem& smem, HandoffKind kind, u32 block, u32 tile, const TaskRows& t,
                                     u32& handoffs) {
-  if (threadIdx.x == 0) smem.handoff = HandoffHeader{static_cast<u32>(kind), block, tile, t.first_row, t.num_rows};
+  if (thread_index() == 0) smem.handoff = HandoffHeader{static_cast<u32>(kind), block, tile, t.first_row, t.num_rows};
   mbarrier_arrive(&smem.tile_full);
   ++handoffs;
 }
@@ -90,7 +90,7 @@ MEGAMOE_DEVICE void handoff_l1_pairs(u8* tile, const WarpAcc& acc) {
         }
     }
   } else {
-    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+    const u32 warp = thread_index() / 32, lane = thread_index() % 32, g = lane / 4, t4 = lane % 4;
 #pragma unroll
     for (u32 nt = 0; nt < kN / 8; ++nt)
 #pragma unroll
@@ -120,7 +120,7 @@ MEGAMOE_DEVICE float warp_max(float v) {
 // L1: rows warp, warp + 4, .. of the tile: SwiGLU (optional clamp) of a lane's 4 channels, the
 // top-k weight, FP8 with the row's scale over its 128 channels (or BF16) into staging_l2.
 MEGAMOE_DEVICE void epilogue_l1_rows(const u8* tile, const HandoffHeader& h, const Params& p, const Regions& me) {
-  const u32 warp = threadIdx.x / 32 - kNumMmaWarps, lane = threadIdx.x % 32;
+  const u32 warp = thread_index() / 32 - kNumMmaWarps, lane = thread_index() % 32;
   const u32 my_tok = warp + kEpilogueWarps * lane;  // lane i: the top-k weight of the warp's i-th row
   const float my_weight = my_tok < h.num_rows ? ld_cg_f32(me.staging_weight() + h.first_row + my_tok) : 0.0f;
 #pragma unroll 1
@@ -157,7 +157,7 @@ MEGAMOE_DEVICE void epilogue_l1_rows(const u8* tile, const HandoffHeader& h, con
 
 // L2: rows warp, warp + 4, .. of the tile (512 bytes each) to combine[slot][token] of their source rank.
 MEGAMOE_DEVICE void epilogue_l2_rows(const u8* tile, const HandoffHeader& h, const Params& p, const Regions& me) {
-  const u32 warp = threadIdx.x / 32 - kNumMmaWarps, lane = threadIdx.x % 32;
+  const u32 warp = thread_index() / 32 - kNumMmaWarps, lane = thread_index() % 32;
   const u32 my_tok = warp + kEpilogueWarps * lane;  // lane i: the (rank, token, slot) of the warp's i-th row
   const int4 my_meta = my_tok < h.num_rows ? __ldcg(reinterpret_cast<const int4*>(me.staging_meta()) + h.first_row + my_tok)
                                            : make_int4(0, 0, 0, 0);
@@ -189,7 +189,7 @@ MEGAMOE_DEVICE void run_epilogue_warpgroup(EpilogueSmem& smem, const Params& p) 
       if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l1_rows(handoff_tile(smem), h, p, me);
       mbarrier_arrive(&smem.tile_empty);
       named_barrier_sync(kBarrierEpilogue, kEpilogueWarps * 32);  // every row of the tile stored
-      if (threadIdx.x == kNumMmaThreads) publish_l1_tile(me, h.block);
+      if (thread_index() == kNumMmaThreads) publish_l1_tile(me, h.block);
     } else {
       if constexpr (!(kAblate & kAblateEpilogue)) epilogue_l2_rows(handoff_tile(smem), h, p, me);
       mbarrier_arrive(&smem.tile_empty);

@@ -22,7 +22,7 @@ namespace megamoe::mega {
 
 // Rows of this lane's four n8 token tiles; past-the-end tokens read the last valid row.
 MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32 pitch, const TaskRows& t) {
-  const u32 g = (threadIdx.x % 32) / 4;
+  const u32 g = (thread_index() % 32) / 4;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     const u32 tok = nt * 8 + g;
@@ -40,7 +40,7 @@ MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState<K>& 
 #else
   (void)sm, (void)st, (void)next, (void)p;
   constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
-  const u8* a_rows = op.a + (threadIdx.x / 32) * 32 * kPitch;
+  const u8* a_rows = op.a + (thread_index() / 32) * 32 * kPitch;
   const u8* tok_rows[4];
   token_row_pointers(tok_rows, op.tok, op.tok_pitch, op.rows);
   acc.zero();
@@ -60,7 +60,7 @@ MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState<K>& 
 // Profiling builds that drop the epilogue (ablate=epilogue): a store that never happens but
 // depends on every accumulator, so the compiler keeps the K loop's wgmmas.
 MEGAMOE_DEVICE void keep_results_live(const WarpAcc& acc, const Regions& me) {
-  if (acc.sum() == 1.0e30f) me.staging_l2_scale()[threadIdx.x] = 0.0f;
+  if (acc.sum() == 1.0e30f) me.staging_l2_scale()[thread_index()] = 0.0f;
 }
 
 // L1 task (token block, w13 tile wt): 256 interleaved rows = 128 gate + 128 up channels, so the
@@ -90,7 +90,7 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
   const u64 w_row0 = static_cast<u64>(t.expert) * kHidden + ht * kTileRows;
   const float* sc = nullptr;
   // The 128-token register-token tiles: every thread's rows span both 128-row scale blocks.
-  const u32 first_row = kRegisterTokens128 ? 0 : acc_row_base(threadIdx.x / 32, 0);
+  const u32 first_row = kRegisterTokens128 ? 0 : acc_row_base(thread_index() / 32, 0);
   if constexpr (kFP8)
     sc = p.w2_scale + (static_cast<u64>(t.expert) * (kHidden / kScaleBlock) + (ht * kTileRows + first_row) / kScaleBlock) *
                           (kInter / kScaleBlock);
@@ -105,7 +105,7 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
 template <u32 kBit>
 MEGAMOE_DEVICE void quad_transpose_step(u32 (&a)[4]) {
   constexpr u32 m = 1u << kBit;
-  const bool mine_high = (threadIdx.x >> kBit) & 1u;
+  const bool mine_high = (thread_index() >> kBit) & 1u;
 #pragma unroll
   for (u32 j0 = 0; j0 < 4; ++j0) {
     if (j0 & m) continue;
@@ -130,7 +130,7 @@ MEGAMOE_DEVICE bool stores_kept(u32 hash) {
 // its 8 token rows. Values as the tile path computes them ((v w) / scale, e4m3 pairs).
 MEGAMOE_DEVICE void l1_rows_from_registers(const WarpAcc& acc, const TaskRows& t, u32 wt, const float (&weight)[2],
                                            const float (&inv_scale)[2], const Regions& me) {
-  const u32 t4 = threadIdx.x % 4;
+  const u32 t4 = thread_index() % 4;
 #pragma unroll
   for (u32 h = 0; h < 2; ++h) {  // the thread's token rows lo / hi
     u32 pairs[kRtGroups][4];      // [mt][m]: e4m3 pairs in the low 16 bits
@@ -221,10 +221,10 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   constexpr bool kQuadScales = kRegTok && kRegisterTokens128;
   const u32 wt = at.tile;
   const TaskRows& t = op.rows;
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const u32 warp = thread_index() / 32, lane = thread_index() % 32, g = lane / 4, t4 = lane % 4;
   // Thread i < tokens: token i's top-k weight, loaded now so its latency hides behind the K loop.
-  const float my_weight = !kEpilogueWarpgroup && !kQuadScales && threadIdx.x < t.num_rows
-                              ? ld_cg_f32(me.staging_weight() + t.first_row + threadIdx.x)
+  const float my_weight = !kEpilogueWarpgroup && !kQuadScales && thread_index() < t.num_rows
+                              ? ld_cg_f32(me.staging_weight() + t.first_row + thread_index())
                               : 0.0f;
   WarpAcc acc;
   if (MEGAMOE_SMEM_MAINLOOP && stream_next) {  // only the smem mainloops stream on
@@ -253,7 +253,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   if constexpr (kAblate & kAblateEpilogue) {  // profiling: no inline epilogue, the tile published unwritten
     keep_results_live(acc, me);
     __syncthreads();
-    if (threadIdx.x == 0) publish_l1_tile(me, at.block);
+    if (thread_index() == 0) publish_l1_tile(me, at.block);
     task_trace_point(p, false, st.tasks - 1, kTaskDone);
     span_end(p, clock, kSpanL1Epilogue);
     span_count(p, clock, kSpanL1Tasks);
@@ -263,7 +263,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   // SwiGLU in place (swiglu_in_place). The top-k weight multiplies in after the amax: |s x w|
   // rounds monotonically, so the token's amax of s x w is its amax of s times |w|, exactly.
   const EpilogueTables tables = epilogue_tables(smem, mainloop);
-  if (!kQuadScales && threadIdx.x < kN) tables.weight[threadIdx.x] = my_weight;
+  if (!kQuadScales && thread_index() < kN) tables.weight[thread_index()] = my_weight;
   // kQuadScales: the top-k weights of the thread's token rows lo / hi, loaded before the SwiGLU
   // pass hides their latency (not before the K loop: two more registers live through it).
   float quad_weight[2] = {0.0f, 0.0f}, quad_amax[2] = {0.0f, 0.0f};
@@ -324,8 +324,8 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   __syncthreads();  // every warp's K loop done with the stage the tile below overwrites
   if constexpr (kFP8 && !kQuadScales) {
     // One thread per token: the scale (one division per token) for every thread's values.
-    if (threadIdx.x < kN) {
-      const u32 tok = threadIdx.x;
+    if (thread_index() < kN) {
+      const u32 tok = thread_index();
       float m = 0.0f;
 #pragma unroll
       for (u32 w = 0; w < (kRegTok ? 2 : kNumMmaWarps); ++w)  // warpgroups or warps
@@ -395,7 +395,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
   __syncthreads();
   // Coalesced 16-byte stores of the valid token rows.
   constexpr u32 kRowBytes = 128 * kElemBytes, kChunksPerRow = kRowBytes / 16;
-  for (u32 c = threadIdx.x; c < kN * kChunksPerRow; c += kNumMmaThreads) {
+  for (u32 c = thread_index(); c < kN * kChunksPerRow; c += kNumMmaThreads) {
     const u32 tok = c / kChunksPerRow, chunk = c % kChunksPerRow;
     if (tok >= t.num_rows) continue;
     u8* dst = me.staging_l2() + static_cast<u64>(t.first_row + tok) * kRowBytesL2 + wt * kRowBytes + chunk * 16;
@@ -448,7 +448,7 @@ MEGAMOE_DEVICE void l1_task(const ExpertTable& table, EpilogueSmem& smem, Mainlo
 // each of its 8 token rows into combine[slot][token] of the token's rank.
 MEGAMOE_DEVICE void l2_rows_from_registers(const WarpAcc& acc, const TaskRows& t, u32 ht, const Params& p,
                                            const Regions& me) {
-  const u32 t4 = threadIdx.x % 4;
+  const u32 t4 = thread_index() % 4;
   int4 meta[2];
 #pragma unroll
   for (u32 h = 0; h < 2; ++h) {  // the thread's token rows lo / hi (register_tokens_token)
@@ -497,7 +497,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   constexpr bool kRegTok = kRegisterTokens && kN == kTileTokens;  // acc in the register-token map
   const u32 ht = at.tile;
   const TaskRows& t = op.rows;
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const u32 warp = thread_index() / 32, lane = thread_index() % 32;
   constexpr u32 kPassTokens = kN < kL2PassTokens ? kN : kL2PassTokens;
   // Lane i: the (rank, token, slot) of the warp's i-th row of a pass. With one pass and the
   // 32-token builds' registers to spare, loaded before the K loop: after it, the load was a

@@ -35,17 +35,18 @@ constexpr u32 kRtGroups = kRegisterTokens128 ? 4 : 2;  // 64-row groups per warp
 // and the epilogue's stores, between both; with warpgroup w on rows 64 w .. 64 w + 63, warpgroup
 // 0 stored all of such a block's L2 rows while warpgroup 1 waited (docs/kernel_notes.md v29). An
 // 8-row group is one swizzle atom: ldmatrix's 8 rows per matrix stay contiguous.
-MEGAMOE_DEVICE u32 register_tokens_tile_row(u32 m) {
-  return kRegisterTokens128 ? 16 * (m / 8) + 8 * (threadIdx.x / 128) + m % 8 : m;
+// `tid`: the thread's index (a K loop passes the one it read at its entry, common.cuh thread_index).
+MEGAMOE_DEVICE u32 register_tokens_tile_row(u32 m, u32 tid = thread_index()) {
+  return kRegisterTokens128 ? 16 * (m / 8) + 8 * (tid / 128) + m % 8 : m;
 }
 
 // Element i of group g's fragment: its token (0..kTileTokens - 1) and weight row (0..255) in the CTA tile.
-MEGAMOE_DEVICE u32 register_tokens_token(u32 i) {
-  return register_tokens_tile_row(16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4 + 8 * ((i / 2) % 2));
+MEGAMOE_DEVICE u32 register_tokens_token(u32 i, u32 tid = thread_index()) {
+  return register_tokens_tile_row(16 * (tid / 32 % 4) + tid % 32 / 4 + 8 * ((i / 2) % 2), tid);
 }
-MEGAMOE_DEVICE u32 register_tokens_row(u32 g, u32 i) {
-  const u32 base = kRegisterTokens128 ? 0 : 128 * (threadIdx.x / 128);
-  return base + kRegisterTokensGroupRows * g + 8 * (i / 4) + 2 * (threadIdx.x % 4) + i % 2;
+MEGAMOE_DEVICE u32 register_tokens_row(u32 g, u32 i, u32 tid = thread_index()) {
+  const u32 base = kRegisterTokens128 ? 0 : 128 * (tid / 128);
+  return base + kRegisterTokensGroupRows * g + 8 * (i / 4) + 2 * (tid % 4) + i % 2;
 }
 // Group g's 32 accumulators.
 MEGAMOE_DEVICE float (&rt_group(WarpAcc& acc, u32 g))[32] {
@@ -67,26 +68,26 @@ struct TokenFragment {
 // dropped by the epilogue anyway, and at prefill the SM clock is what the power cap leaves, which
 // zero operands raise (kernel_notes v26). A select on each address, before the loads, so the
 // fragment goes from ldmatrix to the wgmma as before.
-MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage, u32 rows) {
+MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage, u32 rows, u32 tid) {
   const u32 tile = smem_addr(sm.b[stage]);
-  const u32 row = register_tokens_tile_row(a_fragment_lane_row());  // 128-token tiles: the warpgroup's 8-row groups
+  const u32 row = register_tokens_tile_row(a_fragment_lane_row(tid), tid);  // 128-token tiles: the warpgroup's 8-row groups
   const bool padding = !(kAblate & kAblateKeepPadding) && row >= rows;
   const u32 zeros = smem_addr(token_zero_line);
 #pragma unroll
   for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
-    ldmatrix_x4(a.r[kk], padding ? zeros : a_fragment_row_address_fp8_sw128(tile, row, kk));
+    ldmatrix_x4(a.r[kk], padding ? zeros : a_fragment_row_address_fp8_sw128(tile, row, kk, tid));
 }
 
 // Group g (weight rows register_tokens_row(g, 0) ..) of a staged chunk into `part` (overwritten), committed.
 MEGAMOE_DEVICE void issue_register_tokens_group(float (&part)[kRegisterTokensGroupRows / 2], const MainloopSmem& sm,
-                                                u32 stage, u32 g, const TokenFragment& a) {
+                                                u32 stage, u32 g, const TokenFragment& a, u32 tid) {
   constexpr u32 kDescStep = 32 / 16;  // descriptors count 16-byte units
   fence_accumulators(part);
   wgmma_fence();  // part was read by the last promotion; a's ldmatrix results are in place
   if (!(kAblate & kAblateMma) && !((kAblate & kAblateHalfRows) && g % 2 == 1)) {
     const u64 desc = kRegisterTokens128
                          ? make_smem_desc_k_major_sw128(sm.a[stage] + g * kRegisterTokensGroupRows * kStagedRow)
-                         : stage_desc_a(sm, stage, g);
+                         : stage_desc_a(sm, stage, g, tid);
 #pragma unroll
     for (u32 kk = 0; kk < kChunkBytes / 32; ++kk)
       WgmmaFp8E4M3Rs<kRegisterTokensGroupRows>::mma(a.r[kk], desc + kDescStep * kk, part, kk > 0);
@@ -104,8 +105,8 @@ struct RegisterTokenScales {
   float s[2][2];
 };
 
-MEGAMOE_DEVICE void load_register_token_scales(RegisterTokenScales& s, const MainloopSmem& sm, u32 kb) {
-  const u32 warp = threadIdx.x / 32, tok = register_tokens_token(0);
+MEGAMOE_DEVICE void load_register_token_scales(RegisterTokenScales& s, const MainloopSmem& sm, u32 kb, u32 tid) {
+  const u32 warp = tid / 32, tok = register_tokens_token(0, tid);
   const float w_even = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), w_odd = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
   const float t_lo = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok)]);
   const float t_hi = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, tok + 8)]);
@@ -129,14 +130,14 @@ MEGAMOE_DEVICE void promote_register_tokens(float (&acc_g)[kRegisterTokensGroupR
 template <u32 K>
 MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroupRows / 2], TokenFragment& a, MainloopSmem& sm,
                                               const MainloopState<K>& st, const TaskOperands& cur,
-                                              const TaskOperands* next, const Params& p) {
+                                              const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 S = kMainloopStages;
   const u32 stage = st.seq % S;
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
-  load_token_fragment(a, sm, stage, cur.rows.num_rows);
-  issue_register_tokens_group(part, sm, stage, 0, a);
+  load_token_fragment(a, sm, stage, cur.rows.num_rows, tid);
+  issue_register_tokens_group(part, sm, stage, 0, a, tid);
   mma_barrier();
-  load_chunk_ahead<K>(sm, st, S - 1, cur, next, p);
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next, p, tid);
   return stage;
 }
 
@@ -153,7 +154,7 @@ MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroup
 // 2-3 barrier, 3-4 refill, 4-5 promotion of g1(c - 1), 6-7 g1(c) issue, 7-8 wait for g0(c).
 template <u32 K>
 MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
-                                           const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+                                           const TaskOperands& cur, const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
   static_assert(kRegisterTokens && kTileTokens == 64 && 2 * kRegisterTokensGroupRows * 2 == kTileRows,
@@ -164,32 +165,32 @@ MEGAMOE_DEVICE void k_loop_register_tokens(WarpAcc& acc, MainloopSmem& sm, const
   TokenFragment a;             // the chunk's tokens
   RegisterTokenScales scales;  // chunk c's, from its first group's promotion to its second's
   acc.zero();
-  u32 stage = begin_register_tokens_task<K>(part0, a, sm, st, cur, next, p);
-  issue_register_tokens_group(part1, sm, stage, 1, a);
-  load_register_token_scales(scales, sm, 0);
+  u32 stage = begin_register_tokens_task<K>(part0, a, sm, st, cur, next, p, tid);
+  issue_register_tokens_group(part1, sm, stage, 1, a, tid);
+  load_register_token_scales(scales, sm, 0, tid);
   wait_for_part<1, 64>(part0);
   promote_register_tokens(acc0, part0, scales);
-  u64* trace = trace_row(p, st.phase == kPhaseL1 && st.seq == kTraceTask * kChunks);  // chunk trace builds only
+  u64* trace = trace_row(p, st.phase == kPhaseL1 && st.seq == kTraceTask * kChunks, tid);  // chunk trace builds only
   for (u32 c = 1; c < kChunks; ++c) {
     trace_point(trace, c, 0);
     stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
     wait_for_part<0, 64>(part1);  // g1(c - 1): nothing in flight while a is reloaded
     trace_point(trace, c, 1);
-    load_token_fragment(a, sm, stage, cur.rows.num_rows);
-    issue_register_tokens_group(part0, sm, stage, 0, a);
+    load_token_fragment(a, sm, stage, cur.rows.num_rows, tid);
+    issue_register_tokens_group(part0, sm, stage, 0, a, tid);
     trace_point(trace, c, 2);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     trace_point(trace, c, 3);
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p, tid);  // into it
     trace_point(trace, c, 4);
     fence_accumulators(part1);
     promote_register_tokens(acc1, part1, scales);  // g1(c - 1), while g0(c) runs
     trace_point(trace, c, 5);
     trace_point(trace, c, 6);
-    issue_register_tokens_group(part1, sm, stage, 1, a);
+    issue_register_tokens_group(part1, sm, stage, 1, a, tid);
     trace_point(trace, c, 7);
-    load_register_token_scales(scales, sm, c);
+    load_register_token_scales(scales, sm, c, tid);
     wait_for_part<1, 64>(part0);  // g0(c), while g1(c) runs
     trace_point(trace, c, 8);
     promote_register_tokens(acc0, part0, scales);
@@ -208,11 +209,11 @@ struct RegisterTokenScales128 {
   }
 };
 
-MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb) {
-  const u32 warp = threadIdx.x / 32;
+MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb, u32 tid) {
+  const u32 warp = tid / 32;
   s.w[0] = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), s.w[1] = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
-  s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(0))]);  // token row lo
-  s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(2))]);  // hi
+  s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(0, tid))]);  // token row lo
+  s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(2, tid))]);  // hi
 }
 
 // The K loop of one 128-token task: each warpgroup its own 64 tokens x the 256 weight rows in four
@@ -227,7 +228,7 @@ MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, co
 // loop (V4-Flash-like); this form uses 253-255 and spills nothing.
 template <u32 K>
 MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
-                                               const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+                                               const TaskOperands& cur, const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
   static_assert(kRegisterTokens128 && kRtGroups == 4, "the 128-token register-token loop");
@@ -238,28 +239,28 @@ MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, c
   acc.zero();
   // g1..g3 of chunk c, each issued once the group two before it is waited for and promoted.
   const auto rest_of_chunk = [&](u32 stage, u32 c) {
-    issue_register_tokens_group(pb, sm, stage, 1, a);
-    load_register_token_scales_128(scales, sm, c);
+    issue_register_tokens_group(pb, sm, stage, 1, a, tid);
+    load_register_token_scales_128(scales, sm, c, tid);
     wait_for_part<1, 64>(pa);  // g0(c), while g1(c) runs
     promote_register_tokens(rt_group(acc, 0), pa, scales.group(0));
-    issue_register_tokens_group(pa, sm, stage, 2, a);
+    issue_register_tokens_group(pa, sm, stage, 2, a, tid);
     wait_for_part<1, 64>(pb);  // g1(c), while g2(c) runs
     promote_register_tokens(rt_group(acc, 1), pb, scales.group(1));
-    issue_register_tokens_group(pb, sm, stage, 3, a);
+    issue_register_tokens_group(pb, sm, stage, 3, a, tid);
     wait_for_part<1, 64>(pa);  // g2(c), while g3(c) runs
     promote_register_tokens(rt_group(acc, 2), pa, scales.group(2));
     wait_for_part<0, 64>(pb);  // g3(c)
     promote_register_tokens(rt_group(acc, 3), pb, scales.group(3));
   };
-  u32 stage = begin_register_tokens_task<K>(pa, a, sm, st, cur, next, p);
+  u32 stage = begin_register_tokens_task<K>(pa, a, sm, st, cur, next, p, tid);
   rest_of_chunk(stage, 0);
   for (u32 c = 1; c < kChunks; ++c) {
     stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
-    load_token_fragment(a, sm, stage, cur.rows.num_rows);
-    issue_register_tokens_group(pa, sm, stage, 0, a);
+    load_token_fragment(a, sm, stage, cur.rows.num_rows, tid);
+    issue_register_tokens_group(pa, sm, stage, 0, a, tid);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p, tid);  // into it
     rest_of_chunk(stage, c);
   }
 }

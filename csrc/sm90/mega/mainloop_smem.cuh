@@ -106,9 +106,9 @@ __shared__ alignas(16) u32 token_zero_line[4];
 MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
 #if MEGAMOE_SMEM_MAINLOOP >= 3
 #if MEGAMOE_SMEM_MAINLOOP == 3
-  if (threadIdx.x < 4) token_zero_line[threadIdx.x] = 0;
+  if (thread_index() < 4) token_zero_line[thread_index()] = 0;
 #endif
-  if (threadIdx.x == 0) {
+  if (thread_index() == 0) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
 #if MEGAMOE_ABLATE & 32
     ablate_copies_issued = 0;
@@ -236,22 +236,23 @@ MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, cons
 }
 #endif
 
+// `tid`: the thread's index, read once at the K loop's entry (common.cuh thread_index); so below.
 template <u32 K>
-MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op, const Params& p) {
+MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op, const Params& p, u32 tid) {
 #if MEGAMOE_SMEM_MAINLOOP >= 3
-  if (threadIdx.x == 0) issue_chunk_tma(sm, stage, chunk, op, p);
+  if (tid == 0) issue_chunk_tma(sm, stage, chunk, op, p);
 #else
   (void)p;
   constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
   const u32 k0 = chunk * kChunkBytes;
 #pragma unroll
   for (u32 j = 0; j < kTileRows * 8 / kNumMmaThreads; ++j) {
-    const u32 i = threadIdx.x + j * kNumMmaThreads, row = i / 8, seg = i % 8;
+    const u32 i = tid + j * kNumMmaThreads, row = i / 8, seg = i % 8;
     cp_async_16(sm.a[stage] + staged_offset(row, seg), op.a + row * kAPitch + k0 + seg * 16);
   }
 #pragma unroll
   for (u32 j = 0; j < kTileTokens * 8 / kNumMmaThreads; ++j) {
-    const u32 i = threadIdx.x + j * kNumMmaThreads, tok = i / 8, seg = i % 8;
+    const u32 i = tid + j * kNumMmaThreads, tok = i / 8, seg = i % 8;
     const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
     cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
   }
@@ -262,19 +263,19 @@ MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const Tas
 // the loop streams on into it; nothing otherwise), into the stage its sequence number selects.
 template <u32 K>
 MEGAMOE_DEVICE void load_chunk_ahead(MainloopSmem& sm, const MainloopState<K>& st, u32 ahead, const TaskOperands& cur,
-                                     const TaskOperands* next, const Params& p) {
+                                     const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   const u32 stage = (st.seq + ahead) % kMainloopStages;
   if (ahead < kChunks)
-    load_chunk<K>(sm, stage, ahead, cur, p);
+    load_chunk<K>(sm, stage, ahead, cur, p, tid);
   else if (next != nullptr)
-    load_chunk<K>(sm, stage, ahead - kChunks, *next, p);
+    load_chunk<K>(sm, stage, ahead - kChunks, *next, p, tid);
 }
 
 // part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
 // Only the first `ntiles` n8 token tiles hold rows of the task (uniform over the CTA).
-MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles) {  // 32-token tiles
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles, u32 tid) {  // 32-token tiles
+  const u32 warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const u8* a = sm.a[stage] + (warp * 32 + g) * kStagedRow + t4 * 4;
   const u8* b = sm.b[stage] + g * kStagedRow + t4 * 4;
 #pragma unroll 2  // fully unrolled, the fragments of 4 k-steps stay live and spill (FP8)
@@ -329,8 +330,8 @@ MEGAMOE_DEVICE void wgmma_k_steps(u64 desc_a, u64 desc_b, float (&d)[kN / 2], bo
     ChunkMmaN<kN>::mma(desc_a + kDescStep * kk, desc_b + kDescStep * kk, d, accumulate || kk > 0);
 }
 
-MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt) {
-  return make_smem_desc_k_major_sw128(sm.a[stage] + ((threadIdx.x / 128) * 128 + mt * 64) * kStagedRow);
+MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt, u32 tid) {
+  return make_smem_desc_k_major_sw128(sm.a[stage] + ((tid / 128) * 128 + mt * 64) * kStagedRow);
 }
 
 // BF16 with the TMA stages: a chunk's wgmmas are left in flight while the next chunk's are
@@ -340,15 +341,15 @@ constexpr bool kDeferWgmmaWait = !kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloo
 // acc += one staged chunk (BF16), the chunk's wgmmas one commit group; returns with at most
 // kPending groups of this warpgroup still in flight.
 template <int kPending>
-MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage) {
+MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 tid) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
   float(&d0)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]);
   float(&d1)[kAccum] = *reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]);
   fence_accumulators(d0);
   fence_accumulators(d1);
   wgmma_fence();
-  wgmma_k_steps(stage_desc_a(sm, stage, 0), desc_b, d0, true);
-  wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, d1, true);
+  wgmma_k_steps(stage_desc_a(sm, stage, 0, tid), desc_b, d0, true);
+  wgmma_k_steps(stage_desc_a(sm, stage, 1, tid), desc_b, d1, true);
   wgmma_commit_group();
   fence_accumulators(d0);
   fence_accumulators(d1);
@@ -368,15 +369,15 @@ MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage)
 // barrier released).
 template <u32 K>
 MEGAMOE_DEVICE void k_loop_deferred_wait(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
-                                         const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+                                         const TaskOperands& cur, const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
   for (u32 c = 0; c < kChunks; ++c) {
     const u32 stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
-    wgmma_chunk<1>(acc, sm, stage);
+    wgmma_chunk<1>(acc, sm, stage, tid);
     mma_barrier();  // every warp is done with chunk c - 1's stage
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p, tid);  // into it
   }
   wgmma_wait_group<0>();  // the last chunk's wgmmas, before the epilogue reads acc
   fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
@@ -396,16 +397,16 @@ MEGAMOE_DEVICE u32 tok_scale_col(u32 kb, u32 tok) { return tok ^ ((2 * kb) & (kT
 // Three ways: into registers during the previous task (load_task_scale_regs) and from there into
 // shared memory (store_task_scale_regs), or straight through (load_task_scales).
 template <u32 KBlocks>
-MEGAMOE_DEVICE void load_task_scale_regs(TaskScaleRegs<KBlocks>& r, const TaskOperands& op) {
+MEGAMOE_DEVICE void load_task_scale_regs(TaskScaleRegs<KBlocks>& r, const TaskOperands& op, u32 tid) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
 #pragma unroll
   for (u32 j = 0; j < r.kTok; ++j) {
-    const u32 i = threadIdx.x + j * kNumMmaThreads;
+    const u32 i = tid + j * kNumMmaThreads;
     const u32 tok = i / KBlocks, kb = i % KBlocks;  // consecutive lanes: one row's blocks (coalesced)
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
     if (i < kTileTokens * KBlocks) r.tok[j] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
   }
-  const u32 lane = threadIdx.x % 32;
+  const u32 lane = tid % 32;
 #pragma unroll
   for (u32 j = 0; j < r.kW; ++j) {
     const u32 kb = lane + 32 * j;
@@ -417,14 +418,14 @@ MEGAMOE_DEVICE void load_task_scale_regs(TaskScaleRegs<KBlocks>& r, const TaskOp
 }
 
 template <u32 KBlocks>
-MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<KBlocks>& r) {
+MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<KBlocks>& r, u32 tid) {
 #pragma unroll
   for (u32 j = 0; j < r.kTok; ++j) {
-    const u32 i = threadIdx.x + j * kNumMmaThreads;
+    const u32 i = tid + j * kNumMmaThreads;
     const u32 tok = i / KBlocks, kb = i % KBlocks;
     if (i < kTileTokens * KBlocks) sm.tok_scale[kb][tok_scale_col(kb, tok)] = r.tok[j];
   }
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const u32 warp = tid / 32, lane = tid % 32;
   if (kWScaleCopies > 1 || warp == 0) {
 #pragma unroll
     for (u32 j = 0; j < r.kW; ++j) {
@@ -440,14 +441,14 @@ MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<
 // The same entries loaded and stored one by one (no registers held: the builds without a
 // prefetch; routing this through TaskScaleRegs spilled the DeepSeek-V3-like FP8 cp.async builds).
 template <u32 KBlocks>
-MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op) {
+MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op, u32 tid) {
   const u32 first_row = op.rows.first_row, num_rows = op.rows.num_rows;
-  for (u32 i = threadIdx.x; i < kTileTokens * KBlocks; i += kNumMmaThreads) {
+  for (u32 i = tid; i < kTileTokens * KBlocks; i += kNumMmaThreads) {
     const u32 tok = i / KBlocks, kb = i % KBlocks;
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
     sm.tok_scale[kb][tok_scale_col(kb, tok)] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
   }
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const u32 warp = tid / 32, lane = tid % 32;
   if (kWScaleCopies > 1 || warp == 0) {
     for (u32 kb = lane; kb < KBlocks; kb += 32) {
       sm.w_scale[w_scale_copy(warp)][0][kb] = __ldg(op.w_scale[0] + kb);
@@ -468,8 +469,8 @@ struct PromoteScales {
 };
 
 template <u32 kTiles>
-MEGAMOE_DEVICE void load_promote_scales(PromoteScales<kTiles>& s, const MainloopSmem& sm, u32 kb) {
-  const u32 warp = threadIdx.x / 32, t4 = threadIdx.x % 4;
+MEGAMOE_DEVICE void load_promote_scales(PromoteScales<kTiles>& s, const MainloopSmem& sm, u32 kb, u32 tid) {
+  const u32 warp = tid / 32, t4 = tid % 4;
   const float w_lo = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]);
   const float w_hi = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
 #pragma unroll
@@ -500,18 +501,18 @@ MEGAMOE_DEVICE void promote_tile(float (&acc_mt)[kTokenTiles][4], const float* p
 // FP8 wgmma: both m64 wgmmas of a chunk issued as two commit groups into two partials, so the
 // first one's promotion runs while the tensor cores still work on the second (one wait per chunk
 // left the tensor cores idle during every promotion).
-MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb) {
+MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 kb, u32 tid) {
   const u64 desc_b = make_smem_desc_k_major_sw128(sm.b[stage]);
   float part0[kAccum], part1[kAccum];
   fence_accumulators(part0);
   fence_accumulators(part1);
   wgmma_fence();
-  wgmma_k_steps(stage_desc_a(sm, stage, 0), desc_b, part0, false);
+  wgmma_k_steps(stage_desc_a(sm, stage, 0, tid), desc_b, part0, false);
   wgmma_commit_group();
-  wgmma_k_steps(stage_desc_a(sm, stage, 1), desc_b, part1, false);
+  wgmma_k_steps(stage_desc_a(sm, stage, 1, tid), desc_b, part1, false);
   wgmma_commit_group();
   PromoteScales<> scales;
-  load_promote_scales(scales, sm, kb);
+  load_promote_scales(scales, sm, kb, tid);
   fence_accumulators(part0);
   fence_accumulators(part1);
   wgmma_wait_group<1>();
@@ -537,11 +538,11 @@ constexpr bool kNarrowTasks = kLagPromotion && kTileTokens == 64;
 #if MEGAMOE_SMEM_MAINLOOP == 3
 // One m64nN group (N = kN) of a staged chunk into `part` (overwritten), committed.
 template <u32 kN>
-MEGAMOE_DEVICE void issue_group(float (&part)[kN / 2], const MainloopSmem& sm, u32 stage, u32 mt) {
+MEGAMOE_DEVICE void issue_group(float (&part)[kN / 2], const MainloopSmem& sm, u32 stage, u32 mt, u32 tid) {
   fence_accumulators(part);
   wgmma_fence();  // part was read by the last promotion
   if (!((kAblate & kAblateHalfRows) && mt == 1))
-    wgmma_k_steps<kN>(stage_desc_a(sm, stage, mt), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
+    wgmma_k_steps<kN>(stage_desc_a(sm, stage, mt, tid), make_smem_desc_k_major_sw128(sm.b[stage]), part, false);
   wgmma_commit_group();
 }
 
@@ -569,7 +570,7 @@ MEGAMOE_DEVICE void promote_after(float (&acc_mt)[kTokenTiles][4], float (&part)
 // left alone (a narrow task's epilogue does not read them).
 template <u32 K, u32 kN>
 MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, const MainloopState<K>& st,
-                                            const TaskOperands& cur, const TaskOperands* next, const Params& p) {
+                                            const TaskOperands& cur, const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 kChunks = K * kElemBytes / kChunkBytes;
   constexpr u32 S = kMainloopStages;
   float part0[kN / 2], part1[kN / 2];
@@ -577,19 +578,19 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
   acc.zero_tiles<0, kN / 8>();
   u32 stage = st.seq % S;
   wait_stage(&sm.full[stage], stage, st.seq / S, p, st.phase);
-  issue_group<kN>(part0, sm, stage, 0);
+  issue_group<kN>(part0, sm, stage, 0, tid);
   mma_barrier();  // also: the task's scale tables are stored
-  load_chunk_ahead<K>(sm, st, S - 1, cur, next, p);  // into the last task's last stage: its epilogue is done
-  issue_group<kN>(part1, sm, stage, 1);
-  load_promote_scales(scales, sm, 0);
+  load_chunk_ahead<K>(sm, st, S - 1, cur, next, p, tid);  // into the last task's last stage: its epilogue is done
+  issue_group<kN>(part1, sm, stage, 1, tid);
+  load_promote_scales(scales, sm, 0, tid);
   promote_after<1, kN>(acc.v[0], part0, scales);
-  u64* trace = trace_row(p, st.phase == kPhaseL1 && st.seq == kTraceTask * kChunks);  // chunk trace builds only
+  u64* trace = trace_row(p, st.phase == kPhaseL1 && st.seq == kTraceTask * kChunks, tid);  // chunk trace builds only
   for (u32 c = 1; c < kChunks; ++c) {
     trace_point(trace, c, 0);
     stage = (st.seq + c) % S;
     wait_stage(&sm.full[stage], stage, (st.seq + c) / S, p, st.phase);
     trace_point(trace, c, 1);
-    issue_group<kN>(part0, sm, stage, 0);
+    issue_group<kN>(part0, sm, stage, 0, tid);
     trace_point(trace, c, 2);
     wait_for_part<1, kN>(part1);  // g1(c - 1), while g0(c) runs
     trace_point(trace, c, 3);
@@ -597,11 +598,11 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
     trace_point(trace, c, 4);
     mma_barrier();  // every warpgroup is done with chunk c - 1's stage
     trace_point(trace, c, 5);
-    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p);  // into it
+    load_chunk_ahead<K>(sm, st, c + S - 1, cur, next, p, tid);  // into it
     trace_point(trace, c, 6);
-    issue_group<kN>(part1, sm, stage, 1);
+    issue_group<kN>(part1, sm, stage, 1, tid);
     trace_point(trace, c, 7);
-    load_promote_scales(scales, sm, c);
+    load_promote_scales(scales, sm, c, tid);
     wait_for_part<1, kN>(part0);  // g0(c), while g1(c) runs
     trace_point(trace, c, 8);
     promote_tile(acc.v[0], part0, scales);

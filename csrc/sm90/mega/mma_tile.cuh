@@ -73,7 +73,7 @@ struct WarpAcc {
 // to a valid row for tokens past the block's end).
 MEGAMOE_DEVICE void warp_mma_k_range(WarpAcc& part, const u8* a_rows, u64 a_pitch, const u8* const (&token_rows)[4],
                                      u32 k0, u32 len) {
-  const u32 lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const u32 lane = thread_index() % 32, g = lane / 4, t4 = lane % 4;
   const u8* a_lo[2] = {a_rows + (g)*a_pitch + t4 * 4, a_rows + (16 + g) * a_pitch + t4 * 4};
 #pragma unroll 2
   for (u32 k = k0; k < k0 + len; k += 32) {
@@ -101,7 +101,7 @@ MEGAMOE_DEVICE void warp_mma_k_range(WarpAcc& part, const u8* a_rows, u64 a_pitc
 // 128-K block kb (FP8 promotion). Tokens past num_rows read the last valid row's scale.
 MEGAMOE_DEVICE void promote_block(WarpAcc& acc, const WarpAcc& part, const float* const (&w_scale)[2],
                                   const float* tok_scale, u32 tok_scale_pitch, u32 first_row, u32 num_rows, u32 kb) {
-  const u32 t4 = threadIdx.x % 4;
+  const u32 t4 = thread_index() % 4;
   float tsc[4][2];
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)

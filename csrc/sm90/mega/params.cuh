@@ -6,7 +6,7 @@
 namespace megamoe::mega {
 
 // The launch's warps, counted across CTAs (the staging and pull phases share items out by them).
-MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + threadIdx.x / 32; }
+MEGAMOE_DEVICE u32 global_warp() { return blockIdx.x * kNumWarps + thread_index() / 32; }
 MEGAMOE_DEVICE u32 total_warps() { return gridDim.x * kNumWarps; }
 
 struct Params {
@@ -80,7 +80,7 @@ struct ExpertTable {
 MEGAMOE_DEVICE u32 upper_bound_expert_warp(const u32* table, u32 value) {
   constexpr u32 kStride = (kNumLocalExperts + 31) / 32;  // entries per lane's coarse probe (<= 32)
   static_assert(kStride <= 32, "two rounds of 32 compares cover at most 1024 experts");
-  const u32 lane = threadIdx.x % 32;
+  const u32 lane = thread_index() % 32;
   const u32 probe = lane * kStride;
   const u32 coarse = __ballot_sync(0xffffffffu, probe < kNumLocalExperts && table[probe] <= value);
   const u32 base = (31 - __clz(coarse)) * kStride;  // coarse != 0: table[0] == 0 <= value

@@ -74,14 +74,14 @@ constexpr int kTaskTraceColumns = MEGAMOE_CHUNK_TRACE ? 2 * kNumMmaWarps * kTask
 constexpr int kPhaseClockStride = kPhaseClockColumns + kChunkTraceColumns + kTaskTraceColumns;  // int64 columns per CTA row
 
 // This warp's trace row for a task: the [chunk][point] clock slots of lane 0 when the build
-// traces and `traced` (the CTA's task number kTraceTask of L1), else nullptr.
-MEGAMOE_DEVICE u64* trace_row(const Params& p, bool traced) {
+// traces and `traced` (the CTA's task number kTraceTask of L1), else nullptr. `tid`: the K loop's.
+MEGAMOE_DEVICE u64* trace_row(const Params& p, bool traced, u32 tid) {
   if constexpr (MEGAMOE_CHUNK_TRACE != 0) {
-    if (traced && p.phase_clock != nullptr && threadIdx.x % 32 == 0)
+    if (traced && p.phase_clock != nullptr && tid % 32 == 0)
       return p.phase_clock + static_cast<u64>(blockIdx.x) * kPhaseClockStride + kPhaseClockColumns +
-             (threadIdx.x / 32) * kTraceChunks * kTracePoints;
+             (tid / 32) * kTraceChunks * kTracePoints;
   }
-  (void)p, (void)traced;
+  (void)p, (void)traced, (void)tid;
   return nullptr;
 }
 
@@ -98,8 +98,8 @@ MEGAMOE_DEVICE void trace_point(u64* row, u32 c, u32 point) {
 // lane 0 of each MMA warp; nothing outside trace builds or the traced tasks.
 MEGAMOE_DEVICE void task_trace_point(const Params& p, bool l2, u32 task, TaskTracePoint point) {
   if constexpr (MEGAMOE_CHUNK_TRACE != 0) {
-    const u32 i = task - kTraceTask, warp = threadIdx.x / 32;
-    if (p.phase_clock != nullptr && threadIdx.x % 32 == 0 && warp < kNumMmaWarps && i < kTaskTraceTasks)
+    const u32 i = task - kTraceTask, warp = thread_index() / 32;
+    if (p.phase_clock != nullptr && thread_index() % 32 == 0 && warp < kNumMmaWarps && i < kTaskTraceTasks)
       p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockStride + kPhaseClockColumns + kChunkTraceColumns +
                     ((static_cast<u32>(l2) * kNumMmaWarps + warp) * kTaskTraceTasks + i) * kTaskTracePoints + point] =
           static_cast<u64>(clock64());
@@ -108,7 +108,7 @@ MEGAMOE_DEVICE void task_trace_point(const Params& p, bool l2, u32 task, TaskTra
 }
 
 MEGAMOE_DEVICE void mark_phase(const Params& p, PhaseMark mark) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0)
+  if (p.phase_clock != nullptr && thread_index() == 0)
     p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockStride + mark] = global_timer_ns();
 }
 
@@ -122,18 +122,18 @@ struct TaskClock {
 MEGAMOE_DEVICE u64 sm_clock() { return static_cast<u64>(clock64()); }
 
 MEGAMOE_DEVICE void task_clock_init(const Params& p, TaskClock& c) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0)
+  if (p.phase_clock != nullptr && thread_index() == 0)
     for (int s = 0; s < kNumTaskSpans; ++s) c.sum[s] = 0;
 }
 
 // Starts timing: the next span_end measures from here.
 MEGAMOE_DEVICE void span_start(const Params& p, TaskClock& c) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0) c.since = sm_clock();
+  if (p.phase_clock != nullptr && thread_index() == 0) c.since = sm_clock();
 }
 
 // Adds the cycles since the last span_start / span_end to `span` and starts the next span.
 MEGAMOE_DEVICE void span_end(const Params& p, TaskClock& c, TaskSpan span) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0) {
+  if (p.phase_clock != nullptr && thread_index() == 0) {
     const u64 now = sm_clock();
     c.sum[span] += now - c.since;
     c.since = now;
@@ -141,20 +141,20 @@ MEGAMOE_DEVICE void span_end(const Params& p, TaskClock& c, TaskSpan span) {
 }
 
 MEGAMOE_DEVICE void span_count(const Params& p, TaskClock& c, TaskSpan span) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0) c.sum[span] += 1;
+  if (p.phase_clock != nullptr && thread_index() == 0) c.sum[span] += 1;
 }
 
 // A whole task loop: loop_start before it, loop_end(kSpanL1Loop / kSpanL2Loop) after it.
 MEGAMOE_DEVICE void loop_start(const Params& p, TaskClock& c) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0) c.loop_since = sm_clock();
+  if (p.phase_clock != nullptr && thread_index() == 0) c.loop_since = sm_clock();
 }
 
 MEGAMOE_DEVICE void loop_end(const Params& p, TaskClock& c, TaskSpan span) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0) c.sum[span] += sm_clock() - c.loop_since;
+  if (p.phase_clock != nullptr && thread_index() == 0) c.sum[span] += sm_clock() - c.loop_since;
 }
 
 MEGAMOE_DEVICE void write_task_clock(const Params& p, const TaskClock& c) {
-  if (p.phase_clock != nullptr && threadIdx.x == 0)
+  if (p.phase_clock != nullptr && thread_index() == 0)
     for (int s = 0; s < kNumTaskSpans; ++s)
       p.phase_clock[static_cast<u64>(blockIdx.x) * kPhaseClockStride + kNumPhaseMarks + s] = c.sum[s];
 }

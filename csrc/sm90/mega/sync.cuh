@@ -125,15 +125,15 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32
   u32* arrivals = reinterpret_cast<u32*>(ws + kSlotRankArrivals);
   const u32 word = kSlotNvlArrived + barrier * kNvlArrivedRanks;  // + source rank
   __syncthreads();
-  if (threadIdx.x < kNumRanks) {
+  if (thread_index() < kNumRanks) {
     const u32 add = blockIdx.x == 0 ? kArrivedPerCall - (num_ctas - 1) : 1u;
-    red_add_release_sys(reinterpret_cast<int*>(peers[threadIdx.x] + kOffWorkspace) + word + rank,
+    red_add_release_sys(reinterpret_cast<int*>(peers[thread_index()] + kOffWorkspace) + word + rank,
                         static_cast<int>(add));
-  } else if (threadIdx.x == kNumRanks) {
+  } else if (thread_index() == kNumRanks) {
     red_inc_relaxed_gpu(arrivals, num_ctas - 1);  // for the timeout's report only
   }
-  if (threadIdx.x < kNumRanks) {
-    const int* signal = ws + word + threadIdx.x;
+  if (thread_index() < kNumRanks) {
+    const int* signal = ws + word + thread_index();
     const u32 target = kArrivedPerCall * (calls + 1);
     const Deadline deadline{global_timer_ns(), timeout_ns};
     while (static_cast<int>(static_cast<u32>(ld_acquire_sys(signal)) - target) < 0) {
@@ -154,9 +154,9 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32
 #if MEGAMOE_TRAP_PRINTF
         if (blockIdx.x == 0)  // every CTA times out alike; one line (the record holds the first report)
           printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived, rank %u did not; a peer rank "
-                 "did not launch this call or died.\n", rank, phase_name(phase), ranks_in, kNumRanks, threadIdx.x);
+                 "did not launch this call or died.\n", rank, phase_name(phase), ranks_in, kNumRanks, thread_index());
 #endif
-        report_and_trap(record, kErrorNvlinkTimeout, rank, phase, ranks_in, static_cast<int>(threadIdx.x),
+        report_and_trap(record, kErrorNvlinkTimeout, rank, phase, ranks_in, static_cast<int>(thread_index()),
                         static_cast<int>(kNumRanks));
       }
     }

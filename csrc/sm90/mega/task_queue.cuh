@@ -28,7 +28,7 @@ struct AskAfter {
   u32 next, num_tasks;
   u32* after;  // thread 0's
   MEGAMOE_DEVICE void operator()() const {
-    if (threadIdx.x == 0 && next < num_tasks) *after = atom_inc_relaxed_gpu(counter);
+    if (thread_index() == 0 && next < num_tasks) *after = atom_inc_relaxed_gpu(counter);
   }
 };
 
@@ -41,13 +41,13 @@ template <class RunTask, class Queued>
 MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTask&& run_task, Queued&& queued) {
   // Tasks [0, gridDim.x) are the CTAs' first ones; the counter hands out the rest (thread 0 asks).
   const auto ask = [&] { return gridDim.x + static_cast<u32>(atomicAdd(counter, 1)); };
-  if (threadIdx.x == 0) *slot = ask();
+  if (thread_index() == 0) *slot = ask();
   mma_barrier();
   u32 task = blockIdx.x, next = *slot;
   while (task < num_tasks) {
     u32 after = num_tasks - gridDim.x;  // the counter's value for the task after next (wraps: none)
     run_task(task, next, AskAfter{counter, next, num_tasks, &after});
-    if (threadIdx.x == 0) *slot = gridDim.x + after;
+    if (thread_index() == 0) *slot = gridDim.x + after;
     queued();
     mma_barrier();
     task = next;
@@ -57,7 +57,7 @@ MEGAMOE_DEVICE void for_each_task(int* counter, u32 num_tasks, u32* slot, RunTas
 
 // After the combine barrier (no CTA asks for a task any more): zero both phases' counters.
 MEGAMOE_DEVICE void reset_task_counters(const Regions& me) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (blockIdx.x == 0 && thread_index() == 0) {
     me.workspace()[kSlotL1TaskCounter] = 0;
     me.workspace()[kSlotL2TaskCounter] = 0;
   }
