@@ -101,6 +101,31 @@ __shared__ u32 ablate_copies_issued;  // ablate=tma_warm: copies thread 0 made s
 __shared__ alignas(16) u32 token_zero_line[4];
 #endif
 
+// FP8 register-token builds (64- and 128-token tiles), which hold no registers for the next task's
+// scales (TaskScaleRegs::kPrefetch): the next task's token-scale rows, as stored, are copied into a
+// second buffer in static shared memory by one bulk copy (L2 to shared memory: an L1 line may hold
+// rows of a token block not published yet, docs/kernel_notes.md v33) issued after this task's K loop,
+// and its weight-scale rows by 4-byte cp.async (they never change during a call); at the next task's
+// start every thread moves its entries into MainloopSmem's tables in place of a round trip to L2
+// before the K loop's first barrier (ablate=task_scales measures that round trip). Where the buffer is
+// at most 8 KB and no epilogue warpgroup: the Qwen3-like 128-token builds (the 64-token ones, at 168
+// registers, spilled 40-278 bytes with it; V4-Flash- and DeepSeek-V3-like 128-token ones lack the room).
+constexpr u32 kScaleRowFloats = (kBufHidden > kBufInter ? kBufHidden : kBufInter) / kScaleBlock;  // the widest pitch
+constexpr u32 kScalesRawBytes = kTileTokens * kScaleRowFloats * 4 + 16;  // rows plus the start's alignment
+constexpr bool kScalesNext = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kRegisterTokens && !kEpilogueWarpgroup &&
+                             kScalesRawBytes <= 8192 + 16;
+struct ScalesNext {
+  alignas(16) u8 raw[kScalesRawBytes];
+  float w[kWScaleCopies][2][kMaxKBlocks];
+  u64 full[2];  // per phase (L1, L2): the bulk copy landed
+};
+// A template, so that only the builds that use it allocate it.
+template <bool kUsed = kScalesNext>
+MEGAMOE_DEVICE ScalesNext& scales_next() {
+  __shared__ alignas(16) ScalesNext buffer;
+  return buffer;
+}
+
 // TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
 // thread at kernel start; the dispatch barrier's __syncthreads follows before first use.
 MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
@@ -110,6 +135,10 @@ MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
 #endif
   if (thread_index() == 0) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
+    if constexpr (kScalesNext) {
+      mbarrier_init(&scales_next().full[0], 1);
+      mbarrier_init(&scales_next().full[1], 1);
+    }
 #if MEGAMOE_ABLATE & 32
     ablate_copies_issued = 0;
 #endif
@@ -179,6 +208,7 @@ struct MainloopState {
   u32 tasks = 0;     // tasks this CTA began in the phase (the task trace's numbering, phase_clock.cuh)
   const AskAfter* ask_after = nullptr;  // the current task's request for the task after next (task_queue.cuh)
   u32 unpublished = ~0u;  // L1, no epilogue warpgroup: the block of the tile stored and not yet published (block_ready.cuh)
+  u32 scale_fetches = 0;  // kScalesNext: bulk copies of the next task's token scales waited for so far (parity)
 };
 
 // Waits for phase `use` of an mbarrier with the call's deadline; past it, reports (kind, rank,
@@ -436,6 +466,72 @@ MEGAMOE_DEVICE void store_task_scale_regs(MainloopSmem& sm, const TaskScaleRegs<
       }
     }
   }
+}
+
+// cp.async of 4 bytes (the .ca form: .cg copies 16 only); for the weight scales, which a call never writes.
+MEGAMOE_DEVICE void cp_async_4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
+
+// kScalesNext: after this task's K loop (every thread past its barriers, done with the buffer), the
+// next task's scales on their way: its token-scale rows first_row .. + num_rows, K-blocks 0 .. KBlocks,
+// as one bulk copy of the 16-byte aligned range around them (neighbouring bytes read, never used),
+// and this thread's weight-scale entries (those load_task_scales below would load).
+MEGAMOE_DEVICE const float* first_scale_row(const TaskOperands& op) {
+  return op.tok_scale + static_cast<u64>(op.rows.first_row) * op.tok_scale_pitch;
+}
+template <u32 KBlocks, u32 K>
+MEGAMOE_DEVICE void fetch_scales_next(MainloopState<K>& st, const TaskOperands& op, u32 tid) {
+  if constexpr (kScalesNext) {
+    ScalesNext& nx = scales_next();
+    const float* end = op.tok_scale + static_cast<u64>(op.rows.first_row + op.rows.num_rows - 1) * op.tok_scale_pitch + KBlocks;
+    const u64 begin = reinterpret_cast<u64>(first_scale_row(op)) & ~15ull;
+    const u32 bytes = static_cast<u32>(((reinterpret_cast<u64>(end) + 15) & ~15ull) - begin);
+    if (tid == 0) {
+      fence_proxy_async_shared();  // the generic reads of the buffer (store_scales_next) before the copy's writes
+      u64* bar = &nx.full[st.phase == kPhaseL1 ? 0 : 1];
+      mbarrier_arrive_expect_tx(bar, bytes);
+      bulk_load(nx.raw, reinterpret_cast<const void*>(begin), bytes, bar);
+    }
+    const u32 warp = tid / 32, lane = tid % 32;
+    if (kWScaleCopies > 1 || warp == 0) {
+      for (u32 kb = lane; kb < KBlocks; kb += 32) {
+        cp_async_4(&nx.w[w_scale_copy(warp)][0][kb], op.w_scale[0] + kb);
+        cp_async_4(&nx.w[w_scale_copy(warp)][1][kb], op.w_scale[1] + kb);
+      }
+    }
+    cp_async_commit();
+  }
+  (void)st, (void)op, (void)tid;
+}
+
+// kScalesNext, at the start of the task fetched above: wait for its copies, then every thread moves
+// the entries load_task_scales would store (past-the-end tokens take the last valid row's scale).
+template <u32 KBlocks, u32 K>
+MEGAMOE_DEVICE void store_scales_next(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& op, const Params& p,
+                                      u32 tid) {
+  if constexpr (kScalesNext) {
+    ScalesNext& nx = scales_next();
+    wait_phase_or_trap(&nx.full[st.phase == kPhaseL1 ? 0 : 1], st.scale_fetches++, p, kErrorStageTimeout, st.phase,
+                       kMainloopStages);  // "stage kMainloopStages": this buffer
+    cp_async_wait<0>();  // this thread's weight-scale copies
+    const float* rows = reinterpret_cast<const float*>(nx.raw) + (reinterpret_cast<u64>(first_scale_row(op)) & 15) / 4;
+    const u32 num_rows = op.rows.num_rows, pitch = op.tok_scale_pitch;
+    for (u32 i = tid; i < kTileTokens * KBlocks; i += kNumMmaThreads) {
+      const u32 tok = i / KBlocks, kb = i % KBlocks;
+      sm.tok_scale[kb][tok_scale_col(kb, tok)] = rows[(tok < num_rows ? tok : num_rows - 1) * pitch + kb];
+    }
+    const u32 warp = tid / 32, lane = tid % 32;
+    if (kWScaleCopies > 1 || warp == 0) {
+      for (u32 kb = lane; kb < KBlocks; kb += 32) {
+        sm.w_scale[w_scale_copy(warp)][0][kb] = nx.w[w_scale_copy(warp)][0][kb];
+        sm.w_scale[w_scale_copy(warp)][1][kb] = nx.w[w_scale_copy(warp)][1][kb];
+      }
+    }
+  }
+  (void)sm, (void)st, (void)op, (void)p, (void)tid;
 }
 
 // The same entries loaded and stored one by one (no registers held: the builds without a
