@@ -25,8 +25,9 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
   }
 }
 
-// FP8: the task's scale tables into shared memory (from the registers the previous task filled,
-// or loaded now), and the next task's into registers while this one's K loop runs.
+// FP8: the task's scale tables into shared memory (from the registers or the kScalesNext buffer the
+// previous task filled, or loaded now), and the next task's into registers while this one's K loop
+// runs (kScalesNext builds fetch theirs after the K loop, in cta_gemm).
 template <u32 K>
 MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
                                       const TaskOperands* next, const Params& p, u32 tid) {
