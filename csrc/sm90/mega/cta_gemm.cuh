@@ -26,14 +26,20 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
 }
 
 // FP8: the task's scale tables into shared memory (from the registers or the kScalesNext buffer the
-// previous task filled, or loaded now), and the next task's into registers while this one's K loop
-// runs (kScalesNext builds fetch theirs after the K loop, in cta_gemm).
+// previous task filled, or loaded now; kScalesIntoTables builds: copied straight into the tables by
+// the previous task, or now), and the next task's into registers while this one's K loop runs
+// (kScalesNext and kScalesIntoTables builds fetch theirs after the K loop, in cta_gemm).
 template <u32 K>
 MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
                                       const TaskOperands* next, const Params& p, u32 tid) {
   constexpr u32 KB = K / kScaleBlock;
   if constexpr (kAblate & kAblateTaskScales) {  // profiling: what loading them at a task's start costs
     if (st.tasks > 1) return;
+  }
+  if constexpr (kScalesIntoTables) {  // copied into the tables after the previous K loop (cta_gemm), or now
+    if (!st.scales_prefetched) fetch_scales_into_tables<KB>(sm, cur, tid);
+    cp_async_wait<0>();  // this thread's copies
+    return;
   }
   if constexpr (kScalesNext) {  // the next task's are fetched after the K loop (cta_gemm)
     if (st.scales_prefetched) store_scales_next<KB>(sm, st, cur, p, tid);
@@ -95,9 +101,12 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   st.prefetched = next != nullptr;
   if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
   mma_barrier();  // every warp is done with this task's stages and scale tables
-  if constexpr (kScalesNext && !(kAblate & kAblateTaskScales)) {
+  if constexpr ((kScalesNext || kScalesIntoTables) && !(kAblate & kAblateTaskScales)) {
     st.scales_prefetched = next != nullptr;
-    if (next != nullptr) fetch_scales_next<K / kScaleBlock>(st, *next, tid);
+    if (next != nullptr) {
+      if constexpr (kScalesIntoTables) fetch_scales_into_tables<K / kScaleBlock>(sm, *next, tid);
+      else fetch_scales_next<K / kScaleBlock>(st, *next, tid);
+    }
   }
 }
 

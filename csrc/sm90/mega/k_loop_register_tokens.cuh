@@ -212,8 +212,16 @@ struct RegisterTokenScales128 {
 MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb, u32 tid) {
   const u32 warp = tid / 32;
   s.w[0] = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), s.w[1] = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
-  s.t[0] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(0, tid))]);  // token row lo
-  s.t[1] = lds_f32(&sm.tok_scale[kb][tok_scale_col(kb, register_tokens_token(2, tid))]);  // hi
+  if constexpr (kScalesIntoTables) {  // rows lo and hi (lo + 16) of the grouped table: one address, 256 bytes apart
+    static_assert(4 * 16 * sizeof(float) == 256, "token row hi is 16 tokens past lo");
+    const float* lo = &tok_scale_at(sm, kb, register_tokens_token(0, tid));
+    asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+256];"
+                 : "=f"(s.t[0]), "=f"(s.t[1])
+                 : "r"(smem_addr(lo)));
+  } else {
+    s.t[0] = lds_f32(&tok_scale_at(sm, kb, register_tokens_token(0, tid)));  // token row lo
+    s.t[1] = lds_f32(&tok_scale_at(sm, kb, register_tokens_token(2, tid)));  // hi
+  }
 }
 
 // The K loop of one 128-token task: each warpgroup its own 64 tokens x the 256 weight rows in four

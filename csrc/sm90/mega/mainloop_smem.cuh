@@ -112,8 +112,20 @@ __shared__ alignas(16) u32 token_zero_line[4];
 // registers, spilled 40-278 bytes with it; V4-Flash- and DeepSeek-V3-like 128-token ones lack the room).
 constexpr u32 kScaleRowFloats = (kBufHidden > kBufInter ? kBufHidden : kBufInter) / kScaleBlock;  // the widest pitch
 constexpr u32 kScalesRawBytes = kTileTokens * kScaleRowFloats * 4 + 16;  // rows plus the start's alignment
+// FP8 128-token register-token builds whose token-scale rows split into 16-byte groups of 4 K-blocks
+// (both phases' K and pitches multiples of 4 blocks: V4-Flash- and DeepSeek-V3-like, not Qwen3-like's
+// 6-block L2 rows): the next task's scales go straight into MainloopSmem's tables instead, with
+// 16-byte cp.async.cg copies (L2 only) issued after this task's K loop, no second buffer (which those
+// layers lack the shared memory for). Their L1 epilogue keeps no tables in the token-scale table
+// (expert_gemm.cuh kQuadScales), so it is free from the K loop's last barrier to the next task's first.
+constexpr bool kScalesIntoTables = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kRegisterTokens && kTileTokens == 128 &&
+                                   !kEpilogueWarpgroup && (kHidden / kScaleBlock) % 4 == 0 &&
+                                   (kInter / kScaleBlock) % 4 == 0 && (kBufHidden / kScaleBlock) % 4 == 0 &&
+                                   (kBufInter / kScaleBlock) % 4 == 0;
+static_assert(!kScalesIntoTables || (kOffStagingL1Scale % 16 == 0 && kOffStagingL2Scale % 16 == 0),
+              "16-byte scale copies need 16-byte aligned token-scale regions");
 constexpr bool kScalesNext = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kRegisterTokens && !kEpilogueWarpgroup &&
-                             kScalesRawBytes <= 8192 + 16;
+                             !kScalesIntoTables && kScalesRawBytes <= 8192 + 16;
 struct ScalesNext {
   alignas(16) u8 raw[kScalesRawBytes];
   float w[kWScaleCopies][2][kMaxKBlocks];
@@ -421,6 +433,18 @@ MEGAMOE_DEVICE void k_loop_deferred_wait(WarpAcc& acc, MainloopSmem& sm, const M
 // hitting one (rows are kTileTokens floats apart, a multiple of 32 banks).
 MEGAMOE_DEVICE u32 tok_scale_col(u32 kb, u32 tok) { return tok ^ ((2 * kb) & (kTileTokens - 1)); }
 
+// Token scale (K-block kb, token tok) of the table. kScalesIntoTables builds keep it in groups of
+// 4 blocks, [kb / 4][tok][kb % 4] from the table's start: a token's 4 blocks are the 16 bytes one
+// cp.async copies from its row as stored, and a promotion's reads (8 consecutive tokens of one
+// block) still fall in 8 different banks. The other builds: row kb, column tok_scale_col.
+MEGAMOE_DEVICE float& tok_scale_at(MainloopSmem& sm, u32 kb, u32 tok) {
+  if constexpr (kScalesIntoTables) return (&sm.tok_scale[0][0])[(kb / 4) * (4 * kTileTokens) + 4 * tok + kb % 4];
+  else return sm.tok_scale[kb][tok_scale_col(kb, tok)];
+}
+MEGAMOE_DEVICE const float& tok_scale_at(const MainloopSmem& sm, u32 kb, u32 tok) {
+  return tok_scale_at(const_cast<MainloopSmem&>(sm), kb, tok);
+}
+
 // The FP8 scales of one task into shared memory: token scales of its rows (past-the-end tokens
 // read the last valid row) and each warp's two weight-scale rows. Visible to every thread after
 // the first barrier of the K loop; the previous task finished reading them before its end.
@@ -534,6 +558,35 @@ MEGAMOE_DEVICE void store_scales_next(MainloopSmem& sm, MainloopState<K>& st, co
   (void)sm, (void)st, (void)op, (void)p, (void)tid;
 }
 
+// kScalesIntoTables: after this task's K loop (every thread past its last barrier, done with the
+// tables), the next task's scales straight into them: 16-byte cp.async.cg copies of 4 K-blocks of
+// a token row as stored (L2 only: an L1 line may hold rows of a token block published later, v33),
+// past-the-end tokens copying the last valid row, and warp 0's weight-scale entries by 4-byte
+// cp.async (a call never writes them). Waited for at the next task's start (stage_task_scales, which
+// also copies a phase's first task's this way); the K loop's first barrier shows them to every thread.
+template <u32 KBlocks>
+MEGAMOE_DEVICE void fetch_scales_into_tables(MainloopSmem& sm, const TaskOperands& op, u32 tid) {
+  if constexpr (kScalesIntoTables) {
+    static_assert(KBlocks % 4 == 0 && kTileTokens * KBlocks / 4 % kNumMmaThreads == 0, "whole 16-byte groups per thread");
+    const u32 tok = tid % kTileTokens, last = op.rows.num_rows - 1;  // the same token in every copy of the thread
+    const float* row = op.tok_scale + static_cast<u64>(op.rows.first_row + (tok < last ? tok : last)) * op.tok_scale_pitch;
+    constexpr u32 kThreadsPerToken = kNumMmaThreads / kTileTokens;  // taking alternate groups
+#pragma unroll
+    for (u32 j = 0; j < KBlocks / 4 / kThreadsPerToken; ++j) {
+      const u32 group = tid / kTileTokens + kThreadsPerToken * j;
+      cp_async_16(&tok_scale_at(sm, 4 * group, tok), row + 4 * group);
+    }
+    if (tid < 32) {
+      for (u32 kb = tid; kb < KBlocks; kb += 32) {
+        cp_async_4(&sm.w_scale[0][0][kb], op.w_scale[0] + kb);
+        cp_async_4(&sm.w_scale[0][1][kb], op.w_scale[1] + kb);
+      }
+    }
+    cp_async_commit();
+  }
+  (void)sm, (void)op, (void)tid;
+}
+
 // The same entries loaded and stored one by one (no registers held: the builds without a
 // prefetch; routing this through TaskScaleRegs spilled the DeepSeek-V3-like FP8 cp.async builds).
 template <u32 KBlocks>
@@ -542,7 +595,7 @@ MEGAMOE_DEVICE void load_task_scales(MainloopSmem& sm, const TaskOperands& op, u
   for (u32 i = tid; i < kTileTokens * KBlocks; i += kNumMmaThreads) {
     const u32 tok = i / KBlocks, kb = i % KBlocks;
     const u32 row = first_row + (tok < num_rows ? tok : num_rows - 1);
-    sm.tok_scale[kb][tok_scale_col(kb, tok)] = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
+    tok_scale_at(sm, kb, tok) = ld_cg_f32(op.tok_scale + static_cast<u64>(row) * op.tok_scale_pitch + kb);
   }
   const u32 warp = tid / 32, lane = tid % 32;
   if (kWScaleCopies > 1 || warp == 0) {
