@@ -37,6 +37,15 @@ def test_regions_aligned_disjoint_and_sized(lay):
         assert lay.staging_rows <= lay.ring_rows + 7
     x = lay.region("x")
     assert x.dtype == (torch.float8_e4m3fn if lay.format == "fp8-block" else torch.bfloat16)
+    # staging scale rows: one float per 128 values, padded to whole 16-byte groups of 4 (the SM90
+    # kernel copies them 16 bytes at a time); the pitch the kernel is compiled with is the region's
+    defines = lay.c_defines()
+    for region, n, define in (("staging_l1_scale", s.hidden, "MEGAMOE_L1_SCALE_PITCH"),
+                              ("staging_l2_scale", s.intermediate, "MEGAMOE_L2_SCALE_PITCH")):
+        pitch = defines[define]
+        assert pitch % 4 == 0 and n // 128 <= pitch < n // 128 + 4
+        want = (lay.staging_rows, pitch) if lay.format == "fp8-block" else (0,)
+        assert lay.region(region).shape == want
 
 
 def test_views_and_header():
@@ -52,6 +61,7 @@ def test_views_and_header():
         assert f"constexpr uint64_t kOffset_{reg.name} = {reg.offset}ull;" in hdr
     assert f"constexpr uint32_t kSlot_num_tokens = {WORKSPACE_SLOTS.index('num_tokens')};" in hdr
     assert "kMaxTokens = 32;" in hdr
+    assert "kL1ScalePitch = 4;" in hdr and "kL2ScalePitch = 4;" in hdr  # 2 and 1 scales, padded to 16 bytes
     with pytest.raises(ValueError, match="unknown buffer region"):
         lay.view(buf, "nope")
     with pytest.raises(ValueError, match="bytes, layout needs"):

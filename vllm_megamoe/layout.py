@@ -21,9 +21,11 @@ Regions, in order (each 128-byte aligned):
   staging_meta        int32 [S, 4]      received rows: (src rank, src token, topk slot, expert)
   staging_weight      f32 [S]           received rows' top-k weights
   staging_l1          fp8/bf16 [S, H]   received token rows (L1 input)
-  staging_l1_scale    f32 [S, H/128]    (fp8-block only)
+  staging_l1_scale    f32 [S, P(H)]     (fp8-block only; P(n) = n/128 rounded up to a multiple
+                                        of 4: 16-byte rows, which the SM90 kernel copies in 16-byte
+                                        groups of 4 blocks; the padding is never written or used)
   staging_l2          fp8/bf16 [S, I]   SwiGLU outputs (L2 input)
-  staging_l2_scale    f32 [S, I/128]    (fp8-block only)
+  staging_l2_scale    f32 [S, P(I)]     (fp8-block only)
   l1_block_done       int32 [S/32 + El] SM90 kernel: per token block, rows pulled + L1 tiles finished
   combine             bf16 [C, T, H]    expert outputs written by peers, C = K (+1 shared slot)
   combine_trash       bf16 [1, H]       directly after combine: target of masked writes
@@ -52,6 +54,12 @@ KERNEL_TOKEN_BLOCK = 32  # rows per token block of the SM90 kernel's GEMM tasks 
 
 NVL_ARRIVED_RANKS = 8  # ranks the nvl_arrived_* slots serve: the SM90 kernel's rank limit
 LINE_INTS = ALIGN_BYTES // 4  # int32 slots per 128-byte line
+
+
+def scale_row_pitch(n: int) -> int:
+    """Floats per row of a staging scale region for rows of `n` values (one scale per 128), padded
+    to 16 bytes: the SM90 kernel copies a row's scales in 16-byte groups of 4 blocks."""
+    return _align(n // SCALE_GROUP, 4)
 
 
 def _line(*slots) -> tuple:
@@ -154,10 +162,9 @@ class BufferLayout:
             ("staging_meta", torch.int32, (rows, 4)),
             ("staging_weight", torch.float32, (rows,)),
             ("staging_l1", act, (rows, s.hidden)),
-            ("staging_l1_scale", torch.float32, (rows, s.hidden // SCALE_GROUP) if scaled else (0,)),
+            ("staging_l1_scale", torch.float32, (rows, scale_row_pitch(s.hidden)) if scaled else (0,)),
             ("staging_l2", act, (rows, s.intermediate)),
-            ("staging_l2_scale", torch.float32,
-             (rows, s.intermediate // SCALE_GROUP) if scaled else (0,)),
+            ("staging_l2_scale", torch.float32, (rows, scale_row_pitch(s.intermediate)) if scaled else (0,)),
             # Each expert's rows start a new token block: at most S/32 + El blocks per call.
             ("l1_block_done", torch.int32, (rows // KERNEL_TOKEN_BLOCK + el + 1,)),
             ("combine", torch.bfloat16, (self.combine_slots, t, s.hidden)),
@@ -232,7 +239,9 @@ class BufferLayout:
                "MEGAMOE_NUM_LOCAL_EXPERTS": s.experts_per_rank(self.num_ranks),
                "MEGAMOE_MAX_TOKENS": self.tokens,
                "MEGAMOE_BUF_HIDDEN": s.hidden, "MEGAMOE_BUF_INTERMEDIATE": s.intermediate,
-               "MEGAMOE_BUF_TOPK": s.topk, "MEGAMOE_STAGING_ROWS": self.staging_rows}
+               "MEGAMOE_BUF_TOPK": s.topk, "MEGAMOE_STAGING_ROWS": self.staging_rows,
+               "MEGAMOE_L1_SCALE_PITCH": scale_row_pitch(s.hidden),
+               "MEGAMOE_L2_SCALE_PITCH": scale_row_pitch(s.intermediate)}
         for reg in self.regions.values():
             out[f"MEGAMOE_OFF_{reg.name}"] = f"{reg.offset}ull"
         for i, slot in _named_slots():
@@ -253,6 +262,8 @@ class BufferLayout:
                f"constexpr uint32_t kTopk = {s.topk};",
                f"constexpr uint32_t kCombineSlots = {self.combine_slots};",
                f"constexpr uint32_t kStagingRows = {self.staging_rows};",
+               f"constexpr uint32_t kL1ScalePitch = {scale_row_pitch(s.hidden)};",
+               f"constexpr uint32_t kL2ScalePitch = {scale_row_pitch(s.intermediate)};",
                f"constexpr uint64_t kTotalBytes = {self.total_bytes}ull;"]
         for i, slot in _named_slots():
             out.append(f"constexpr uint32_t kSlot_{slot} = {i};")

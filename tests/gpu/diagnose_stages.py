@@ -30,7 +30,7 @@ def main(shape_name="qwen3-30b-a3b", fmt="fp8-block", tokens=128):
     meta = buf.view("staging_meta")[:rows].long()
     fp8 = fmt == "fp8-block"
     l1 = buf.view("staging_l1")[:rows]
-    x_rows = quant.dequantize_fp8_tokens(l1, buf.view("staging_l1_scale")[:rows]) if fp8 else l1.float()
+    x_rows = quant.dequantize_fp8_tokens(l1, buf.view("staging_l1_scale")[:rows, :shape.hidden // 128]) if fp8 else l1.float()
     # 1. pulled rows vs the quantized tokens they claim to be
     xq = quant.dequantize_fp8_tokens(*quant.quantize_fp8_tokens(x.float())) if fp8 else x.float()
     print("pull: rows", rows, "max |diff| vs staged tokens", (x_rows - xq[meta[:, 1]]).abs().max().item())
@@ -40,13 +40,13 @@ def main(shape_name="qwen3-30b-a3b", fmt="fp8-block", tokens=128):
     gate_up = torch.einsum("rh,rnh->rn", x_rows, w13f[meta[:, 3]])
     act = reference.swiglu(gate_up, None, round_to_bf16=True) * buf.view("staging_weight")[:rows, None]
     l2 = buf.view("staging_l2")[:rows]
-    k_act = quant.dequantize_fp8_tokens(l2, buf.view("staging_l2_scale")[:rows]) if fp8 else l2.float()
+    k_act = quant.dequantize_fp8_tokens(l2, buf.view("staging_l2_scale")[:rows, :shape.intermediate // 128]) if fp8 else l2.float()
     emu = quant.dequantize_fp8_tokens(*quant.quantize_fp8_tokens(act)) if fp8 else act.to(torch.bfloat16).float()
     print("L1: rel err vs float act", reference.relative_error(k_act, act),
           "| vs emulated act", reference.relative_error(k_act, emu),
           "| elements differing from emulation", (k_act != emu).float().mean().item())
     if fp8:
-        k_scale, e_scale = buf.view("staging_l2_scale")[:rows], quant.quantize_fp8_tokens(act)[1]
+        k_scale, e_scale = buf.view("staging_l2_scale")[:rows, :shape.intermediate // 128], quant.quantize_fp8_tokens(act)[1]
         print("L1: scale rel err", reference.relative_error(k_scale, e_scale))
         bad = (k_act != emu)
         print("L1: differing elements per 128-channel group", bad.reshape(rows, -1, 128).float().mean((0, 2)).tolist())

@@ -21,6 +21,11 @@ constexpr u32 kBufHidden = MEGAMOE_BUF_HIDDEN;        // row pitch of x / stagin
 constexpr u32 kBufInter = MEGAMOE_BUF_INTERMEDIATE;   // row pitch of staging_l2
 constexpr u32 kBufTopk = MEGAMOE_BUF_TOPK;            // row pitch of topk_idx / topk_weights
 constexpr u32 kStagingRows = MEGAMOE_STAGING_ROWS;
+// Floats per row of staging_l1_scale / staging_l2_scale: the buffer's H/128 and I/128 rounded up to
+// 16 bytes (layout.scale_row_pitch), so the 128-token builds copy them in 16-byte groups.
+constexpr u32 kL1ScalePitch = MEGAMOE_L1_SCALE_PITCH;
+constexpr u32 kL2ScalePitch = MEGAMOE_L2_SCALE_PITCH;
+static_assert(kL1ScalePitch % 4 == 0 && kL2ScalePitch % 4 == 0, "staging scale rows are whole 16-byte groups");
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
 #ifndef MEGAMOE_SMEM_MAINLOOP
 #define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma

@@ -25,13 +25,13 @@ MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u
   }
 }
 
-// FP8: the task's scale tables into shared memory (from the registers or the kScalesNext buffer the
-// previous task filled, or loaded now; kScalesIntoTables builds: copied straight into the tables by
-// the previous task, or now), and the next task's into registers while this one's K loop runs
-// (kScalesNext and kScalesIntoTables builds fetch theirs after the K loop, in cta_gemm).
+// FP8: the task's scale tables into shared memory (from the registers, or loaded now;
+// kScalesIntoTables builds: copied straight into the tables by the previous task, or now), and the
+// next task's into registers while this one's K loop runs (kScalesIntoTables builds copy theirs after
+// the K loop, in cta_gemm).
 template <u32 K>
 MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& cur,
-                                      const TaskOperands* next, const Params& p, u32 tid) {
+                                      const TaskOperands* next, u32 tid) {
   constexpr u32 KB = K / kScaleBlock;
   if constexpr (kAblate & kAblateTaskScales) {  // profiling: what loading them at a task's start costs
     if (st.tasks > 1) return;
@@ -39,11 +39,6 @@ MEGAMOE_DEVICE void stage_task_scales(MainloopSmem& sm, MainloopState<K>& st, co
   if constexpr (kScalesIntoTables) {  // copied into the tables after the previous K loop (cta_gemm), or now
     if (!st.scales_prefetched) fetch_scales_into_tables<KB>(sm, cur, tid);
     cp_async_wait<0>();  // this thread's copies
-    return;
-  }
-  if constexpr (kScalesNext) {  // the next task's are fetched after the K loop (cta_gemm)
-    if (st.scales_prefetched) store_scales_next<KB>(sm, st, cur, p, tid);
-    else load_task_scales<KB>(sm, cur, tid);
     return;
   }
   if (TaskScaleRegs<KB>::kPrefetch && st.scales_prefetched) store_task_scale_regs<KB>(sm, st.next_scales, tid);
@@ -77,7 +72,7 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
       cp_async_commit();
     }
   }
-  if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next, p, tid);  // visible to every thread after the first chunk's barrier
+  if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next, tid);  // visible to every thread after the first chunk's barrier
 #if MEGAMOE_SMEM_MAINLOOP == 3
   if constexpr (kRegisterTokens128) k_loop_register_tokens_128<K>(acc, sm, st, cur, next, p, tid);  // zeroes acc
   else if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p, tid);  // zeroes acc
@@ -101,12 +96,9 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   st.prefetched = next != nullptr;
   if (!st.prefetched) cp_async_wait<0>();  // only empty groups are left; nothing stays in flight
   mma_barrier();  // every warp is done with this task's stages and scale tables
-  if constexpr ((kScalesNext || kScalesIntoTables) && !(kAblate & kAblateTaskScales)) {
+  if constexpr (kScalesIntoTables && !(kAblate & kAblateTaskScales)) {
     st.scales_prefetched = next != nullptr;
-    if (next != nullptr) {
-      if constexpr (kScalesIntoTables) fetch_scales_into_tables<K / kScaleBlock>(sm, *next, tid);
-      else fetch_scales_next<K / kScaleBlock>(st, *next, tid);
-    }
+    if (next != nullptr) fetch_scales_into_tables<K / kScaleBlock>(sm, *next, tid);
   }
 }
 

@@ -326,7 +326,7 @@ MEGAMOE_DEVICE void pull_rows(ExpertTable& table, const Params& p, const Regions
 #pragma unroll
         for (u32 k = 0; k < kTopk; ++k)
           if (rows[k] >= 0)
-            me.staging_l1_scale()[static_cast<u64>(rows[k]) * (kBufHidden / kScaleBlock) + gidx] = scale[s];
+            me.staging_l1_scale()[static_cast<u64>(rows[k]) * kL1ScalePitch + gidx] = scale[s];
       }
     }
     if (my_row >= 0) {  // lane k: its slot's weight and row metadata

@@ -147,7 +147,7 @@ MEGAMOE_DEVICE void epilogue_l1_rows(const u8* tile, const HandoffHeader& h, con
       const u32 out = static_cast<u32>(f32x2_to_e4m3x2(s[0] * w * inv_scale, s[1] * w * inv_scale)) |
                       (static_cast<u32>(f32x2_to_e4m3x2(s[2] * w * inv_scale, s[3] * w * inv_scale)) << 16);
       reinterpret_cast<u32*>(me.staging_l2() + row * kRowBytesL2 + h.tile * 128)[lane] = out;
-      if (lane == 0) me.staging_l2_scale()[row * (kBufInter / kScaleBlock) + h.tile] = scale;
+      if (lane == 0) me.staging_l2_scale()[row * kL2ScalePitch + h.tile] = scale;
     } else {
       reinterpret_cast<uint2*>(me.staging_l2() + row * kRowBytesL2 + h.tile * 256)[lane] =
           make_uint2(pack_bf16x2(s[0] * w, s[1] * w), pack_bf16x2(s[2] * w, s[3] * w));

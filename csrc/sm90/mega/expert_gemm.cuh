@@ -78,7 +78,7 @@ MEGAMOE_DEVICE TaskOperands l1_operands(const ExpertTable& table, const Params& 
   }
   return {t, p.w13 + w_row0 * kHidden * kElemBytes, maps.w13, wt * kTileRows, maps.l1, me.staging_l1(), kRowBytesL1,
           {gate_sc, up_sc},
-          me.staging_l1_scale(), kBufHidden / kScaleBlock};
+          me.staging_l1_scale(), kL1ScalePitch};
 }
 
 // L2 task (token block, w2 tile ht): a warp's rows lie in one 128-row scale block (both row
@@ -96,7 +96,7 @@ MEGAMOE_DEVICE TaskOperands l2_operands(const ExpertTable& table, const Params& 
                           (kInter / kScaleBlock);
   return {t, p.w2 + w_row0 * kInter * kElemBytes, maps.w2, ht * kTileRows, maps.l2, me.staging_l2(), kRowBytesL2,
           {sc, kRegisterTokens128 ? sc + kInter / kScaleBlock : sc},
-          me.staging_l2_scale(), kBufInter / kScaleBlock};
+          me.staging_l2_scale(), kL2ScalePitch};
 }
 
 // One step of a 4 x 4 transpose within a quad of lanes (slot j of lane t -> slot t of lane j after
@@ -310,7 +310,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       const float scale = fmaxf(quad_amax[h] * fabsf(quad_weight[h]), kAmaxFloor) * (1.0f / kFP8Max);
       quad_inv_scale[h] = 1.0f / scale;
       if (t4 == 0 && tok < t.num_rows)
-        me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
+        me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * kL2ScalePitch + wt] = scale;
     }
   }
   if constexpr (kQuadScales) {  // FP8 128-token builds: the rows straight from the registers
@@ -333,7 +333,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
       const float scale = fmaxf(m * fabsf(my_weight), kAmaxFloor) * (1.0f / kFP8Max);
       tables.inv_scale[tok] = 1.0f / scale;
       if (tok < t.num_rows)
-        me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * (kBufInter / kScaleBlock) + wt] = scale;
+        me.staging_l2_scale()[static_cast<u64>(t.first_row + tok) * kL2ScalePitch + wt] = scale;
     }
     __syncthreads();
   }

@@ -101,42 +101,19 @@ __shared__ u32 ablate_copies_issued;  // ablate=tma_warm: copies thread 0 made s
 __shared__ alignas(16) u32 token_zero_line[4];
 #endif
 
-// FP8 register-token builds (64- and 128-token tiles), which hold no registers for the next task's
-// scales (TaskScaleRegs::kPrefetch): the next task's token-scale rows, as stored, are copied into a
-// second buffer in static shared memory by one bulk copy (L2 to shared memory: an L1 line may hold
-// rows of a token block not published yet, docs/kernel_notes.md v33) issued after this task's K loop,
-// and its weight-scale rows by 4-byte cp.async (they never change during a call); at the next task's
-// start every thread moves its entries into MainloopSmem's tables in place of a round trip to L2
-// before the K loop's first barrier (ablate=task_scales measures that round trip). Where the buffer is
-// at most 8 KB and no epilogue warpgroup: the Qwen3-like 128-token builds (the 64-token ones, at 168
-// registers, spilled 40-278 bytes with it; V4-Flash- and DeepSeek-V3-like 128-token ones lack the room).
-constexpr u32 kScaleRowFloats = (kBufHidden > kBufInter ? kBufHidden : kBufInter) / kScaleBlock;  // the widest pitch
-constexpr u32 kScalesRawBytes = kTileTokens * kScaleRowFloats * 4 + 16;  // rows plus the start's alignment
-// FP8 128-token register-token builds whose token-scale rows split into 16-byte groups of 4 K-blocks
-// (both phases' K and pitches multiples of 4 blocks: V4-Flash- and DeepSeek-V3-like, not Qwen3-like's
-// 6-block L2 rows): the next task's scales go straight into MainloopSmem's tables instead, with
-// 16-byte cp.async.cg copies (L2 only) issued after this task's K loop, no second buffer (which those
-// layers lack the shared memory for). Their L1 epilogue keeps no tables in the token-scale table
-// (expert_gemm.cuh kQuadScales), so it is free from the K loop's last barrier to the next task's first.
+// FP8 128-token register-token builds, which hold no registers for the next task's scales
+// (TaskScaleRegs::kPrefetch) and have no shared memory to spare for a second table (DeepSeek-V3-like:
+// 1-3 KB): the next task's scales go straight into MainloopSmem's tables, with 16-byte cp.async.cg
+// copies (L2 only: an L1 line may hold rows of a token block not published yet, docs/kernel_notes.md
+// v33) issued after this task's K loop, in place of a round trip to L2 before the next K loop's
+// first barrier (ablate=task_scales measures that round trip). The tables are free in between: the
+// 128-token L1 epilogue keeps no per-token tables there (expert_gemm.cuh kQuadScales). The staging
+// scale rows are padded to 16 bytes (kL1ScalePitch); the table needs whole groups of 4 blocks. Not
+// the 64-token builds: at 168 registers (epilogue warpgroup), a prefetch spilled them (v33).
 constexpr bool kScalesIntoTables = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kRegisterTokens && kTileTokens == 128 &&
-                                   !kEpilogueWarpgroup && (kHidden / kScaleBlock) % 4 == 0 &&
-                                   (kInter / kScaleBlock) % 4 == 0 && (kBufHidden / kScaleBlock) % 4 == 0 &&
-                                   (kBufInter / kScaleBlock) % 4 == 0;
+                                   !kEpilogueWarpgroup && kMaxKBlocks % 4 == 0;
 static_assert(!kScalesIntoTables || (kOffStagingL1Scale % 16 == 0 && kOffStagingL2Scale % 16 == 0),
               "16-byte scale copies need 16-byte aligned token-scale regions");
-constexpr bool kScalesNext = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kRegisterTokens && !kEpilogueWarpgroup &&
-                             !kScalesIntoTables && kScalesRawBytes <= 8192 + 16;
-struct ScalesNext {
-  alignas(16) u8 raw[kScalesRawBytes];
-  float w[kWScaleCopies][2][kMaxKBlocks];
-  u64 full[2];  // per phase (L1, L2): the bulk copy landed
-};
-// A template, so that only the builds that use it allocate it.
-template <bool kUsed = kScalesNext>
-MEGAMOE_DEVICE ScalesNext& scales_next() {
-  __shared__ alignas(16) ScalesNext buffer;
-  return buffer;
-}
 
 // TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
 // thread at kernel start; the dispatch barrier's __syncthreads follows before first use.
@@ -147,10 +124,6 @@ MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
 #endif
   if (thread_index() == 0) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
-    if constexpr (kScalesNext) {
-      mbarrier_init(&scales_next().full[0], 1);
-      mbarrier_init(&scales_next().full[1], 1);
-    }
 #if MEGAMOE_ABLATE & 32
     ablate_copies_issued = 0;
 #endif
@@ -220,7 +193,6 @@ struct MainloopState {
   u32 tasks = 0;     // tasks this CTA began in the phase (the task trace's numbering, phase_clock.cuh)
   const AskAfter* ask_after = nullptr;  // the current task's request for the task after next (task_queue.cuh)
   u32 unpublished = ~0u;  // L1, no epilogue warpgroup: the block of the tile stored and not yet published (block_ready.cuh)
-  u32 scale_fetches = 0;  // kScalesNext: bulk copies of the next task's token scales waited for so far (parity)
 };
 
 // Waits for phase `use` of an mbarrier with the call's deadline; past it, reports (kind, rank,
@@ -499,65 +471,6 @@ MEGAMOE_DEVICE void cp_async_4(void* smem, const void* gmem) {
                : "memory");
 }
 
-// kScalesNext: after this task's K loop (every thread past its barriers, done with the buffer), the
-// next task's scales on their way: its token-scale rows first_row .. + num_rows, K-blocks 0 .. KBlocks,
-// as one bulk copy of the 16-byte aligned range around them (neighbouring bytes read, never used),
-// and this thread's weight-scale entries (those load_task_scales below would load).
-MEGAMOE_DEVICE const float* first_scale_row(const TaskOperands& op) {
-  return op.tok_scale + static_cast<u64>(op.rows.first_row) * op.tok_scale_pitch;
-}
-template <u32 KBlocks, u32 K>
-MEGAMOE_DEVICE void fetch_scales_next(MainloopState<K>& st, const TaskOperands& op, u32 tid) {
-  if constexpr (kScalesNext) {
-    ScalesNext& nx = scales_next();
-    const float* end = op.tok_scale + static_cast<u64>(op.rows.first_row + op.rows.num_rows - 1) * op.tok_scale_pitch + KBlocks;
-    const u64 begin = reinterpret_cast<u64>(first_scale_row(op)) & ~15ull;
-    const u32 bytes = static_cast<u32>(((reinterpret_cast<u64>(end) + 15) & ~15ull) - begin);
-    if (tid == 0) {
-      fence_proxy_async_shared();  // the generic reads of the buffer (store_scales_next) before the copy's writes
-      u64* bar = &nx.full[st.phase == kPhaseL1 ? 0 : 1];
-      mbarrier_arrive_expect_tx(bar, bytes);
-      bulk_load(nx.raw, reinterpret_cast<const void*>(begin), bytes, bar);
-    }
-    const u32 warp = tid / 32, lane = tid % 32;
-    if (kWScaleCopies > 1 || warp == 0) {
-      for (u32 kb = lane; kb < KBlocks; kb += 32) {
-        cp_async_4(&nx.w[w_scale_copy(warp)][0][kb], op.w_scale[0] + kb);
-        cp_async_4(&nx.w[w_scale_copy(warp)][1][kb], op.w_scale[1] + kb);
-      }
-    }
-    cp_async_commit();
-  }
-  (void)st, (void)op, (void)tid;
-}
-
-// kScalesNext, at the start of the task fetched above: wait for its copies, then every thread moves
-// the entries load_task_scales would store (past-the-end tokens take the last valid row's scale).
-template <u32 KBlocks, u32 K>
-MEGAMOE_DEVICE void store_scales_next(MainloopSmem& sm, MainloopState<K>& st, const TaskOperands& op, const Params& p,
-                                      u32 tid) {
-  if constexpr (kScalesNext) {
-    ScalesNext& nx = scales_next();
-    wait_phase_or_trap(&nx.full[st.phase == kPhaseL1 ? 0 : 1], st.scale_fetches++, p, kErrorStageTimeout, st.phase,
-                       kMainloopStages);  // "stage kMainloopStages": this buffer
-    cp_async_wait<0>();  // this thread's weight-scale copies
-    const float* rows = reinterpret_cast<const float*>(nx.raw) + (reinterpret_cast<u64>(first_scale_row(op)) & 15) / 4;
-    const u32 num_rows = op.rows.num_rows, pitch = op.tok_scale_pitch;
-    for (u32 i = tid; i < kTileTokens * KBlocks; i += kNumMmaThreads) {
-      const u32 tok = i / KBlocks, kb = i % KBlocks;
-      sm.tok_scale[kb][tok_scale_col(kb, tok)] = rows[(tok < num_rows ? tok : num_rows - 1) * pitch + kb];
-    }
-    const u32 warp = tid / 32, lane = tid % 32;
-    if (kWScaleCopies > 1 || warp == 0) {
-      for (u32 kb = lane; kb < KBlocks; kb += 32) {
-        sm.w_scale[w_scale_copy(warp)][0][kb] = nx.w[w_scale_copy(warp)][0][kb];
-        sm.w_scale[w_scale_copy(warp)][1][kb] = nx.w[w_scale_copy(warp)][1][kb];
-      }
-    }
-  }
-  (void)sm, (void)st, (void)op, (void)p, (void)tid;
-}
-
 // kScalesIntoTables: after this task's K loop (every thread past its last barrier, done with the
 // tables), the next task's scales straight into them: 16-byte cp.async.cg copies of 4 K-blocks of
 // a token row as stored (L2 only: an L1 line may hold rows of a token block published later, v33),
@@ -567,14 +480,16 @@ MEGAMOE_DEVICE void store_scales_next(MainloopSmem& sm, MainloopState<K>& st, co
 template <u32 KBlocks>
 MEGAMOE_DEVICE void fetch_scales_into_tables(MainloopSmem& sm, const TaskOperands& op, u32 tid) {
   if constexpr (kScalesIntoTables) {
-    static_assert(KBlocks % 4 == 0 && kTileTokens * KBlocks / 4 % kNumMmaThreads == 0, "whole 16-byte groups per thread");
+    // The last group may end in the row's padding (kL1ScalePitch): table entries no K loop reads.
+    constexpr u32 kGroups = (KBlocks + 3) / 4;
+    constexpr u32 kThreadsPerToken = kNumMmaThreads / kTileTokens;  // taking alternate groups
+    static_assert(4 * kGroups <= kMaxKBlocks && kNumMmaThreads % kTileTokens == 0, "whole groups of the table");
     const u32 tok = tid % kTileTokens, last = op.rows.num_rows - 1;  // the same token in every copy of the thread
     const float* row = op.tok_scale + static_cast<u64>(op.rows.first_row + (tok < last ? tok : last)) * op.tok_scale_pitch;
-    constexpr u32 kThreadsPerToken = kNumMmaThreads / kTileTokens;  // taking alternate groups
 #pragma unroll
-    for (u32 j = 0; j < KBlocks / 4 / kThreadsPerToken; ++j) {
+    for (u32 j = 0; j < (kGroups + kThreadsPerToken - 1) / kThreadsPerToken; ++j) {
       const u32 group = tid / kTileTokens + kThreadsPerToken * j;
-      cp_async_16(&tok_scale_at(sm, 4 * group, tok), row + 4 * group);
+      if (kGroups % kThreadsPerToken == 0 || group < kGroups) cp_async_16(&tok_scale_at(sm, 4 * group, tok), row + 4 * group);
     }
     if (tid < 32) {
       for (u32 kb = tid; kb < KBlocks; kb += 32) {
