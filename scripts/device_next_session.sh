@@ -295,10 +295,10 @@ case "${STEP:-verify}" in
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --format ${FORMAT:-fp8-block} --shapes qwen3-30b-a3b \
       --tokens ${TOKENS:-2048 8192} --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue \
       ablate=epilogue --rounds 3 --iters 300 --out "$OUT/probe_wg128.json" 2>&1 | tail -26 ;;
-  task_scales) # ~3 min, one H200: what loading a task's FP8 scale tables at its start costs where nothing
-            # prefetches them (v33: the 64- and 128-token register-token builds, every prefill task):
+  task_scales) # ~3 min, one H200: what is left of loading a task's FP8 scale tables at its start:
             # ablate=task_scales (only a CTA's first task of a phase loads them) against the default, in
-            # steady state (v33: 0.92-0.93x at 8192 tokens; the prefetch, on main since, takes about half of it)
+            # steady state (v33, before any prefetch: 0.92-0.93x at 8192 tokens; v34, with the 128-token
+            # builds' copies into the tables: 0.97-0.98x of them, kernel_notes v34)
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=task_scales --rounds 2 --iters 300 \
       --out "$OUT/probe_task_scales.json" 2>&1 | tail -14 ;;
