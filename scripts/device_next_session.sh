@@ -298,7 +298,7 @@ case "${STEP:-verify}" in
   task_scales) # ~3 min, one H200: what is left of loading a task's FP8 scale tables at its start:
             # ablate=task_scales (only a CTA's first task of a phase loads them) against the default, in
             # steady state (v33, before any prefetch: 0.92-0.93x at 8192 tokens; v34, with the 128-token
-            # builds' copies into the tables: 0.97-0.98x of them, kernel_notes v34)
+            # builds' copies into the tables: 0.96-0.99x of them, kernel_notes v34)
     timeout 200 python3 -m benchmarks.kernel_probe --gpus 1 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=task_scales --rounds 2 --iters 300 \
       --out "$OUT/probe_task_scales.json" 2>&1 | tail -14 ;;
