@@ -57,11 +57,10 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
 # A cache filled without a GPU may be carried (VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2, filled by
 # `PLAN=ep2 bash scripts/precompile_for_device.sh` (or ep1: .probe_jit/<PLAN>) before the
 # call, carry [".probe_jit/ep2"]:
-# ~75 builds the EP2 steps load, ~3 min of this machine's CPU instead of the device's); every step
-# records the kernels it loads into $OUT/jit_specs.jsonl: merged into tests/gpu/jit_specs.jsonl,
-# the next session compiles them here before its device calls (v30: with the cache filled the
-# one-GPU tests took 40 s instead of 217 s). A spec records the defines of its build, so the file
-# goes stale when the builds' defines change: record again (each step writes $OUT/jit_specs.jsonl).
+# ~75 builds the EP2 steps load, ~3 min of this machine's CPU instead of the device's; v30: with the
+# cache filled the one-GPU tests took 40 s instead of 217 s). Every step also records the kernels it
+# loads into $OUT/jit_specs.jsonl (`vllm-megamoe precompile FILE` compiles them again); a spec holds
+# its build's defines, buffer offsets included, so the plans compile by shape instead.
 export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-/tmp/megamoe-jit}"
 export VLLM_MEGAMOE_JIT_RECORD="${VLLM_MEGAMOE_JIT_RECORD:-$OUT/jit_specs.jsonl}"
 T="-q -rs -p no:cacheprovider --tb=short"

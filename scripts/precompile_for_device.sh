@@ -5,7 +5,7 @@
 # Carry the plan's folder (`run` carry [".probe_jit/ep2"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2
 # there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
-#   PLAN=ep1: the recorded one-GPU tests (tests/gpu/jit_specs.jsonl), STEP=wg128 and STEP=task_scales
+#   PLAN=ep1: STEP=one_gpu's kernel tests, STEP=wg128 and STEP=task_scales
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
 set -euo pipefail
@@ -36,7 +36,19 @@ case "${PLAN:-ep2}" in
       for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 8192; done
     done ;;
   ep1)
-    pc tests/gpu/jit_specs.jsonl
+    # tests/gpu/test_sm90_mega_moe.py -k one_gpu (buffers of the cases' largest count) and the shared-GPU
+    # multi-rank tests of STEP=one_gpu; by shape, not from recorded specs, which a layout change makes stale
+    for s in $SMALL $QWEN3 $V4 $DSV3_64E; do
+      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 1 --max-tokens-per-rank 4096; done
+    done
+    for t in 32 64 128; do
+      for s in $SMALL $V4 $QWEN3; do VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format fp8-block --ep-size 1 --max-tokens-per-rank 4096; done
+      for s in $SMALL $V4; do
+        VLLM_MEGAMOE_SM90_MAINLOOP=tma VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format bf16 --ep-size 1 --max-tokens-per-rank 4096
+      done
+    done
+    for n in 4096 62 16; do pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank $n; done
+    pc --shape $QWEN3 --format fp8-block --ep-size 2 --max-tokens-per-rank 64
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
     probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
