@@ -212,12 +212,15 @@ struct RegisterTokenScales128 {
 MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, const MainloopSmem& sm, u32 kb, u32 tid) {
   const u32 warp = tid / 32;
   s.w[0] = lds_f32(&sm.w_scale[w_scale_copy(warp)][0][kb]), s.w[1] = lds_f32(&sm.w_scale[w_scale_copy(warp)][1][kb]);
-  if constexpr (kScalesIntoTables) {  // rows lo and hi (lo + 16) of the grouped table: one address, 256 bytes apart
-    static_assert(4 * 16 * sizeof(float) == 256, "token row hi is 16 tokens past lo");
+  if constexpr (kScalesIntoTables) {
+    // Token row hi is 16 tokens past lo (register_tokens_tile_row): in the grouped table one address
+    // and an immediate offset (through tok_scale_at for both, the loop's wgmma descriptors left the
+    // uniform registers: 309 -> 397 instructions, kernel_notes v34).
+    constexpr u32 kHiBytes = 16 * 4 * sizeof(float);
     const float* lo = &tok_scale_at(sm, kb, register_tokens_token(0, tid));
-    asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+256];"
+    asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+%3];"
                  : "=f"(s.t[0]), "=f"(s.t[1])
-                 : "r"(smem_addr(lo)));
+                 : "r"(smem_addr(lo)), "n"(kHiBytes));
   } else {
     s.t[0] = lds_f32(&tok_scale_at(sm, kb, register_tokens_token(0, tid)));  // token row lo
     s.t[1] = lds_f32(&tok_scale_at(sm, kb, register_tokens_token(2, tid)));  // hi
