@@ -139,7 +139,8 @@ def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: in
 # FP8 128-token epilogues that store from the registers compute every value but store no row / store
 # without their quad transposes (what the stores and the shuffles cost); task_scales: FP8 tasks past
 # a CTA's first of a phase skip loading their scale tables (what that load costs at each task's
-# start in the 64- and 128-token builds, which cannot prefetch it into registers); MEGAMOE_ABLATE,
+# start in the 64-token builds, and what the 128-token builds' copies of the next task's into their
+# tables leave of it; none of them prefetch into registers); MEGAMOE_ABLATE,
 # csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
 # Its outputs are wrong (but with keep_padding alone); the op logs a warning with every build.
 ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
