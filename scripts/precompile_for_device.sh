@@ -19,6 +19,13 @@ probe() {  # a failing probe shows why (its last lines) and stops the script
   echo "$(grep -c -E ' (compiled|cached) [0-9a-f]{12}$' "$log") probe builds"; rm -f "$log"
 }
 V4=4096x2048x256x6 DSV3=7168x2048x256x8 QWEN3=2048x768x128x8 DSV3_64E=7168x2048x64x8 SMALL=512x384x24x5
+# The multi-rank tests beside test_multi_gpu: back-to-back calls (62 tokens), the missing peer (16),
+# CUDA graphs (64; in the formats given)
+multi_rank_extras() {
+  pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 62
+  pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 16
+  for f in "$@"; do pc --shape $QWEN3 --format $f --ep-size 2 --max-tokens-per-rank 64; done
+}
 case "${PLAN:-ep2}" in
   ep2)
     # tests/gpu/test_sm90_mega_moe.py on 2 ranks (mega_cases.SHAPES; buffers of the cases' largest count)
@@ -26,9 +33,7 @@ case "${PLAN:-ep2}" in
       for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 4096; done
     done
     VLLM_MEGAMOE_SM90_TOKEN_TILE=64 pc --shape $V4 --format fp8-block --ep-size 2 --max-tokens-per-rank 4096
-    pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 62   # back-to-back calls
-    pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 16   # missing peer
-    for f in fp8-block bf16; do pc --shape $QWEN3 --format $f --ep-size 2 --max-tokens-per-rank 64; done  # CUDA graphs
+    multi_rank_extras fp8-block bf16
     # STEP=decode, STEP=nvl_stores, then STEP=bench (buffers of 8192 tokens per rank)
     probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1 8 --variants default stages=5,tile=32 trace=1,trace_task=0
     probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=stores
@@ -47,8 +52,8 @@ case "${PLAN:-ep2}" in
         VLLM_MEGAMOE_SM90_MAINLOOP=tma VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format bf16 --ep-size 1 --max-tokens-per-rank 4096
       done
     done
-    for n in 4096 62 16; do pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank $n; done
-    pc --shape $QWEN3 --format fp8-block --ep-size 2 --max-tokens-per-rank 64
+    pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 4096
+    multi_rank_extras fp8-block
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
     probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
