@@ -39,6 +39,11 @@
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
+#   STEP=candidates every candidate tree in .probe_cand/ (scripts/candidate_trees.sh: the patches kept in
+#                benchmarks/results/) against this tree, one GPU: each tree's one-GPU kernel tests, then one
+#                process timing this tree and every tree (VARIANTS, default "default csrc=<tree>/csrc ...";
+#                outputs must match bit for bit), then memcheck and racecheck of each tree, within BUDGET s
+#                (carry [".probe_jit/cand", ".probe_cand"], filled by PLAN=cand of precompile_for_device.sh)
 #   STEP=inproc  one_gpu's one-process A/B alone (this tree and the BASES trees), one GPU
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
@@ -177,6 +182,30 @@ case "${STEP:-verify}" in
     D=2; [ -n "${NO_SANITIZE:-}" ] && D=1  # NO_SANITIZE=1: the probe takes what is left
     [ "$(left)" -gt 100 ] && inproc_ab $(( $(left) / D - 10 )) probe_1gpu_ab.json 24
     L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
+  candidates) # ~9 min on one H200 for two trees (their tests ~40 s each with the cache carried)
+    T0=$(date +%s); left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
+    TREES=$(ls -d .probe_cand/*/ 2>/dev/null | sed 's:/$::'); [ -n "$TREES" ] || { echo "no .probe_cand/* (carry it)"; exit 2; }
+    for tree in $TREES; do
+      VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout ${TEST_TIMEOUT:-150} python3 -m pytest $T -o timeout=140 \
+        tests/gpu/test_sm90_mega_moe.py -k "${TEST_K:-one_gpu}" > "$OUT/tests_$(basename "$tree").log" 2>&1
+      echo "$tree: $(tail -1 "$OUT/tests_$(basename "$tree").log")"
+    done
+    VARIANTS="${VARIANTS:-default $(for t in $TREES; do printf 'csrc=%s/csrc ' "$t"; done)}"
+    share=6  # tenths of what is left: the first format's probe 6, the next 5 (a probe writes its JSON at its end)
+    for fmt in ${FORMATS:-fp8-block bf16}; do
+      [ "$(left)" -gt 100 ] && timeout $(( $(left) * share / 10 )) python3 -m benchmarks.kernel_probe --gpus 1 --format $fmt \
+        --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1024 2048 8192} --variants $VARIANTS \
+        --rounds ${ROUNDS:-3} --out "$OUT/probe_candidates_$fmt.json" 2>&1 | tail -24
+      share=5
+    done
+    for tree in $TREES; do  # each tree's sanitizers into one log (8 files come back from $OUT)
+      L=$(left); [ "$L" -gt 60 ] || break
+      for tool in memcheck racecheck; do
+        VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout $(( L / 5 )) compute-sanitizer --tool $tool --report-api-errors no \
+          --print-limit 20 python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.tmp" 2>&1
+        { echo "== $tree $tool"; tail -6 "$OUT/$tool.tmp"; } | tee -a "$OUT/sanitizers.log"; rm -f "$OUT/$tool.tmp"
+      done
+    done ;;
   inproc)   # ~4-6 min, one H200: only the one-process A/B of one_gpu (this tree and every BASES tree, in
             # turn for ROUNDS rounds), within PROBE_TIMEOUT s
     inproc_ab ${PROBE_TIMEOUT:-540} probe_inproc_ab.json 40 ;;
@@ -306,5 +335,5 @@ case "${STEP:-verify}" in
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
     timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or task_scales"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, candidates, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or task_scales"; exit 2 ;;
 esac

@@ -6,6 +6,9 @@
 # there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
 #   PLAN=ep1: STEP=one_gpu's kernel tests, STEP=wg128 and STEP=task_scales
+#   PLAN=cand: STEP=candidates: the one-GPU kernel tests' builds of this tree and of every candidate
+#              tree in .probe_cand/ (scripts/candidate_trees.sh), and the probe's builds of VARIANTS
+#              (SHAPES, TOKENS) as STEP=candidates runs them; carry [".probe_jit/cand", ".probe_cand"]
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
 set -euo pipefail
@@ -26,6 +29,31 @@ multi_rank_extras() {
   pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 16
   for f in "$@"; do pc --shape $QWEN3 --format $f --ep-size 2 --max-tokens-per-rank 64; done
 }
+# The one-GPU tests' builds (tests/gpu/test_sm90_mega_moe.py -k one_gpu: buffers of the cases' largest
+# count) and the shared-GPU multi-rank tests of STEP=one_gpu; by shape, not from recorded specs,
+# which a layout change makes stale
+one_gpu_test_builds() {
+  for s in $SMALL $QWEN3 $V4 $DSV3_64E; do
+    for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 1 --max-tokens-per-rank 4096; done
+  done
+  for t in 32 64 128; do
+    for s in $SMALL $V4 $QWEN3; do VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format fp8-block --ep-size 1 --max-tokens-per-rank 4096; done
+    for s in $SMALL $V4; do
+      VLLM_MEGAMOE_SM90_MAINLOOP=tma VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format bf16 --ep-size 1 --max-tokens-per-rank 4096
+    done
+  done
+}
+# tests/gpu/sanitize_probe.py (memcheck and racecheck of STEP=one_gpu and STEP=candidates): its cases'
+# buffers hold 40, 200 and 300 tokens
+sanitize_probe_builds() {
+  for f in fp8-block bf16; do
+    pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 40
+    VLLM_MEGAMOE_SM90_TOKEN_TILE=64 pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 200
+    VLLM_MEGAMOE_SM90_TOKEN_TILE=128 pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 300
+    VLLM_MEGAMOE_SM90_TOKEN_TILE=128 VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128=1 \
+      pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 300
+  done
+}
 case "${PLAN:-ep2}" in
   ep2)
     # tests/gpu/test_sm90_mega_moe.py on 2 ranks (mega_cases.SHAPES; buffers of the cases' largest count)
@@ -41,23 +69,26 @@ case "${PLAN:-ep2}" in
       for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 8192; done
     done ;;
   ep1)
-    # tests/gpu/test_sm90_mega_moe.py -k one_gpu (buffers of the cases' largest count) and the shared-GPU
-    # multi-rank tests of STEP=one_gpu; by shape, not from recorded specs, which a layout change makes stale
-    for s in $SMALL $QWEN3 $V4 $DSV3_64E; do
-      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 1 --max-tokens-per-rank 4096; done
-    done
-    for t in 32 64 128; do
-      for s in $SMALL $V4 $QWEN3; do VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format fp8-block --ep-size 1 --max-tokens-per-rank 4096; done
-      for s in $SMALL $V4; do
-        VLLM_MEGAMOE_SM90_MAINLOOP=tma VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format bf16 --ep-size 1 --max-tokens-per-rank 4096
-      done
-    done
+    one_gpu_test_builds
+    sanitize_probe_builds
     pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 4096
     multi_rank_extras fp8-block
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
     probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
-  *) echo "unknown PLAN=${PLAN}: ep2 or ep1"; exit 2 ;;
+  cand)
+    # STEP=candidates: each tree's one-GPU tests (the sanitizers' probe loads builds of the same shapes),
+    # then the A/B's builds (VARIANTS name the trees through csrc=.probe_cand/NAME/csrc)
+    ls -d .probe_cand/*/csrc > /dev/null || { echo "no candidate trees: run scripts/candidate_trees.sh first"; exit 2; }
+    one_gpu_test_builds
+    for tree in .probe_cand/*/csrc; do
+      export VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree"; one_gpu_test_builds; sanitize_probe_builds; unset VLLM_MEGAMOE_CSRC_DIR
+    done
+    for fmt in ${FORMATS:-fp8-block bf16}; do
+      probe --gpus 1 --format $fmt --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1024 2048 8192} \
+        --variants ${VARIANTS:-default $(for t in .probe_cand/*/csrc; do printf 'csrc=%s ' "$t"; done)}
+    done ;;
+  *) echo "unknown PLAN=${PLAN}: ep2, ep1 or cand"; exit 2 ;;
 esac
 du -sh "$VLLM_MEGAMOE_CACHE_DIR"
 # `run` carries 64 MiB in all (.whl's wheels are 7 of them): a plan's cache that grew over several

@@ -48,13 +48,14 @@ def probe_builds():
         worlds = {1, int(gpus[0])} if "GPUS" in command else {int(gpus[0])}  # GPUS=1: the EP1 runs
         shapes = [s for s in (_flag(command, "--shapes") or DEFAULT_SHAPES) if "$" not in s]
         fmt = (_flag(command, "--format") or ["fp8-block"])[0]
+        fmts = ["fp8-block", "bf16"] if "$" in fmt else [fmt]  # a loop's variable ($fmt): both formats
         tokens = max(int(t) for t in (_flag(command, "--tokens") or ["8192"]) if t.isdigit())
         # a variant set only at run time ($ab, "$v", $PROBE_VARIANTS) is checked as the default build
         variants = [v for v in (_flag(command, "--variants") or ["default"]) if "$" not in v] or ["default"]
         for world in sorted(worlds):
             for shape in shapes:
                 for variant in variants:
-                    cases.append((world, shape, fmt, tokens, variant))
+                    cases += [(world, shape, f, tokens, variant) for f in fmts]
     return cases
 
 
@@ -86,10 +87,16 @@ def test_a_build_that_does_not_fit_is_caught(monkeypatch):
 PRECOMPILE = SCRIPT.parent / "precompile_for_device.sh"
 
 
+CANDIDATES = SCRIPT.parent / "candidate_trees.sh"
+
+
 def applied_patches() -> list[pathlib.Path]:
-    """The patches scripts/precompile_for_device.sh applies to a copy of csrc/ (`git apply ... X.patch`)."""
+    """The patches scripts/precompile_for_device.sh applies to a copy of csrc/ (`git apply ... X.patch`),
+    and the candidates scripts/candidate_trees.sh applies by default (STEP=candidates)."""
     root = SCRIPT.parent.parent
-    return [root / p for p in re.findall(r"git apply [^\n]*?(\S+\.patch)", PRECOMPILE.read_text())]
+    found = re.findall(r"git apply [^\n]*?(\S+\.patch)", PRECOMPILE.read_text())
+    found += re.findall(r"benchmarks/results/[\w./-]+?\.patch", CANDIDATES.read_text())
+    return [root / p for p in dict.fromkeys(found)]
 
 
 def test_the_plans_patches_apply_to_csrc(tmp_path):
