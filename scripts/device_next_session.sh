@@ -191,12 +191,15 @@ case "${STEP:-verify}" in
       echo "$tree: $(tail -1 "$OUT/tests_$(basename "$tree").log")"
     done
     VARIANTS="${VARIANTS:-default $(for t in $TREES; do printf 'csrc=%s/csrc ' "$t"; done)}"
-    share=6  # tenths of what is left: the first format's probe 6, the next 5 (a probe writes its JSON at its end)
+    # FP8 at the table's 32-, 64- and 128-token builds, BF16 at prefill only (BF16_TOKENS); a probe writes
+    # its JSON at its end: the first gets 7 tenths of what is left, the next 6, the sanitizers the rest
+    share=7
     for fmt in ${FORMATS:-fp8-block bf16}; do
+      tokens="${TOKENS:-1024 2048 8192}"; [ "$fmt" = bf16 ] && tokens="${BF16_TOKENS:-8192}"
       [ "$(left)" -gt 100 ] && timeout $(( $(left) * share / 10 )) python3 -m benchmarks.kernel_probe --gpus 1 --format $fmt \
-        --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1024 2048 8192} --variants $VARIANTS \
+        --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens $tokens --variants $VARIANTS \
         --rounds ${ROUNDS:-3} --out "$OUT/probe_candidates_$fmt.json" 2>&1 | tail -24
-      share=5
+      share=6
     done
     for tree in $TREES; do  # each tree's sanitizers into one log (8 files come back from $OUT)
       L=$(left); [ "$L" -gt 60 ] || break

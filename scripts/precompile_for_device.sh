@@ -85,7 +85,8 @@ case "${PLAN:-ep2}" in
       export VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree"; one_gpu_test_builds; sanitize_probe_builds; unset VLLM_MEGAMOE_CSRC_DIR
     done
     for fmt in ${FORMATS:-fp8-block bf16}; do
-      probe --gpus 1 --format $fmt --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${TOKENS:-1024 2048 8192} \
+      tokens="${TOKENS:-1024 2048 8192}"; [ "$fmt" = bf16 ] && tokens="${BF16_TOKENS:-8192}"
+      probe --gpus 1 --format $fmt --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens $tokens \
         --variants ${VARIANTS:-default $(for t in .probe_cand/*/csrc; do printf 'csrc=%s ' "$t"; done)}
     done ;;
   *) echo "unknown PLAN=${PLAN}: ep2, ep1 or cand"; exit 2 ;;

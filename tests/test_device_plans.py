@@ -49,7 +49,8 @@ def probe_builds():
         shapes = [s for s in (_flag(command, "--shapes") or DEFAULT_SHAPES) if "$" not in s]
         fmt = (_flag(command, "--format") or ["fp8-block"])[0]
         fmts = ["fp8-block", "bf16"] if "$" in fmt else [fmt]  # a loop's variable ($fmt): both formats
-        tokens = max(int(t) for t in (_flag(command, "--tokens") or ["8192"]) if t.isdigit())
+        # a count set only at run time ($tokens) is checked at 8192, the largest any plan runs
+        tokens = max([int(t) for t in (_flag(command, "--tokens") or ["8192"]) if t.isdigit()] or [8192])
         # a variant set only at run time ($ab, "$v", $PROBE_VARIANTS) is checked as the default build
         variants = [v for v in (_flag(command, "--variants") or ["default"]) if "$" not in v] or ["default"]
         for world in sorted(worlds):
