@@ -33,6 +33,7 @@ multi_rank_extras() {
 # count) and the shared-GPU multi-rank tests of STEP=one_gpu; by shape, not from recorded specs,
 # which a layout change makes stale
 one_gpu_test_builds() {
+  pc --shape $SMALL --format fp8-block --ep-size 1 --max-tokens-per-rank 256  # test_topk_ids_int32_and_int64
   for s in $SMALL $QWEN3 $V4 $DSV3_64E; do
     for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 1 --max-tokens-per-rank 4096; done
   done

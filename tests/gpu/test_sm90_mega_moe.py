@@ -232,18 +232,20 @@ def test_phase_clock_orders_the_phases_on_one_gpu():
 
 
 @requires_sm90
-def test_topk_ids_int32_and_int64_one_gpu():
+@pytest.mark.parametrize("tokens", [37, 200])
+def test_topk_ids_int32_and_int64_one_gpu(tokens):
     """int64 ids (torch.topk's dtype) are read as they come, without a conversion kernel: the
     output is bit-identical to int32 ids', and a captured call whose int64 id lies outside
-    [-1, E) but would wrap into range as int32 (2**32 + 1 -> 1) is flagged, not routed."""
+    [-1, E) but would wrap into range as int32 (2**32 + 1 -> 1) is flagged, not routed; with a few
+    of the announcing CTA's threads busy (37 tokens) and with most of them (200)."""
     from mega_cases import global_weights, inputs
     from vllm_megamoe import MegaMoEError, SymmBuffer, portable
     from vllm_megamoe.kernels import sm90_mega_moe
     shape = SHAPES["small-odd"]
     dev = torch.device("cuda", 0)
     weights = global_weights(shape, "fp8-block", dev)
-    buf = SymmBuffer(shape, 64, None, format="fp8-block", device=dev)
-    x, idx, tw = inputs(shape, [37], "masked", 21, dev)[0]
+    buf = SymmBuffer(shape, 256, None, format="fp8-block", device=dev)
+    x, idx, tw = inputs(shape, [tokens], "masked", 21, dev)[0]
     assert idx.dtype == torch.int64
     y64 = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf)
     y32 = sm90_mega_moe.mega_moe(x, idx.to(torch.int32), tw, weights, buf)
