@@ -121,6 +121,17 @@ def test_back_to_back_calls_one_gpu():
     assert_rows([rows], "fp8-block")
 
 
+@requires_sm90
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_small_grid_one_gpu(fmt, monkeypatch):
+    """A grid of 6 CTAs (VLLM_MEGAMOE_NUM_SMS): every phase takes several items per thread or warp
+    (the announce 4096 tokens in 2-3 rounds of the 6 CTAs' threads, the staging, pull and reduce many
+    each), and every GEMM task queue runs deep; the output still matches the reference."""
+    monkeypatch.setenv("VLLM_MEGAMOE_NUM_SMS", "6")
+    rows = _rank(0, 1, None, "small-odd", fmt, [([4096], "uniform", 11), ([300], "masked", 12)])
+    assert_rows([rows], fmt)
+
+
 def _graph_rank(rank, world, group, fmt):
     from mega_cases import global_weights, inputs
     from vllm_megamoe import SymmBuffer, reference
