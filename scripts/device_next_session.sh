@@ -182,26 +182,32 @@ case "${STEP:-verify}" in
     D=2; [ -n "${NO_SANITIZE:-}" ] && D=1  # NO_SANITIZE=1: the probe takes what is left
     [ "$(left)" -gt 100 ] && inproc_ab $(( $(left) / D - 10 )) probe_1gpu_ab.json 24
     L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
-  candidates) # ~9 min on one H200 for two trees (their tests ~40 s each with the cache carried)
+  candidates) # ~9-10 min on one H200 for three trees (their tests ~30-60 s each with the cache carried)
     T0=$(date +%s); left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
     TREES=$(ls -d .probe_cand/*/ 2>/dev/null | sed 's:/$::'); [ -n "$TREES" ] || { echo "no .probe_cand/* (carry it)"; exit 2; }
-    for tree in $TREES; do
+    for tree in $TREES; do  # one log for every tree (8 files come back from $OUT)
+      echo "== $tree" >> "$OUT/tests_candidates.log"
       VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout ${TEST_TIMEOUT:-150} python3 -m pytest $T -o timeout=140 \
-        tests/gpu/test_sm90_mega_moe.py -k "${TEST_K:-one_gpu}" > "$OUT/tests_$(basename "$tree").log" 2>&1
-      echo "$tree: $(tail -1 "$OUT/tests_$(basename "$tree").log")"
+        tests/gpu/test_sm90_mega_moe.py -k "${TEST_K:-one_gpu}" > "$OUT/tests.tmp" 2>&1
+      cat "$OUT/tests.tmp" >> "$OUT/tests_candidates.log"; echo "$tree: $(tail -1 "$OUT/tests.tmp")"; rm -f "$OUT/tests.tmp"
     done
     VARIANTS="${VARIANTS:-default $(for t in $TREES; do printf 'csrc=%s/csrc ' "$t"; done)}"
-    # FP8 at the table's 32-, 64- and 128-token builds, BF16 at prefill only (BF16_TOKENS); a probe writes
-    # its JSON at its end: the first gets 7 tenths of what is left, the next 6, the sanitizers the rest
-    share=7
-    for fmt in ${FORMATS:-fp8-block bf16}; do
-      tokens="${TOKENS:-1024 2048 8192}"; [ "$fmt" = bf16 ] && tokens="${BF16_TOKENS:-8192}"
-      [ "$(left)" -gt 100 ] && timeout $(( $(left) * share / 10 )) python3 -m benchmarks.kernel_probe --gpus 1 --format $fmt \
-        --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens $tokens --variants $VARIANTS \
-        --rounds ${ROUNDS:-3} --out "$OUT/probe_candidates_$fmt.json" 2>&1 | tail -24
-      share=6
+    # FP8 one probe per shape (a probe writes its JSON at its end: a cut one loses only its shape), at
+    # the table's 32-, 64- and 128-token builds; BF16 at prefill only (BF16_TOKENS); RESERVE s are kept
+    # for BF16 and the sanitizers (whatever is left: run STEP=sanitize with VLLM_MEGAMOE_CSRC_DIR set
+    # for a tree that gains, if they were cut)
+    set -- ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b}
+    while [ $# -gt 0 ]; do
+      budget=$(( ($(left) - ${RESERVE:-150}) / $# )); [ "$budget" -gt 30 ] || break
+      timeout $budget python3 -m benchmarks.kernel_probe --gpus 1 --format fp8-block --shapes $1 \
+        --tokens ${TOKENS:-1024 2048 8192} --variants $VARIANTS --rounds ${ROUNDS:-3} \
+        --out "$OUT/probe_candidates_fp8_$1.json" 2>&1 | tail -12
+      shift
     done
-    for tree in $TREES; do  # each tree's sanitizers into one log (8 files come back from $OUT)
+    [ "$(left)" -gt 100 ] && timeout $(( $(left) * 6 / 10 )) python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 \
+      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${BF16_TOKENS:-8192} --variants $VARIANTS \
+      --rounds ${ROUNDS:-3} --out "$OUT/probe_candidates_bf16.json" 2>&1 | tail -12
+    for tree in $TREES; do  # each tree's sanitizers into one log
       L=$(left); [ "$L" -gt 60 ] || break
       for tool in memcheck racecheck; do
         VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout $(( L / 5 )) compute-sanitizer --tool $tool --report-api-errors no \

@@ -41,12 +41,18 @@ def probe_commands() -> list[str]:
     return commands
 
 
+def _shapes(command: str) -> list[str]:
+    """The shapes a probe runs; a loop's variable alone ($1, $shape) stands for every default shape."""
+    given = _flag(command, "--shapes") or DEFAULT_SHAPES
+    return [s for s in given if "$" not in s] or (DEFAULT_SHAPES if all("$" in s for s in given) else [])
+
+
 def probe_builds():
     cases = []
     for command in probe_commands():
         gpus = _flag(command, "--gpus") or ["2"]
         worlds = {1, int(gpus[0])} if "GPUS" in command else {int(gpus[0])}  # GPUS=1: the EP1 runs
-        shapes = [s for s in (_flag(command, "--shapes") or DEFAULT_SHAPES) if "$" not in s]
+        shapes = _shapes(command)
         fmt = (_flag(command, "--format") or ["fp8-block"])[0]
         fmts = ["fp8-block", "bf16"] if "$" in fmt else [fmt]  # a loop's variable ($fmt): both formats
         # a count set only at run time ($tokens) is checked at 8192, the largest any plan runs
@@ -64,7 +70,7 @@ def test_the_script_has_probes():
     cases = probe_builds()
     assert len(probe_commands()) >= 15 and len(cases) >= 100
     for command in probe_commands():  # each gives cases: none is skipped unread
-        assert _flag(command, "--shapes") is None or any("$" not in s for s in _flag(command, "--shapes")), command
+        assert _shapes(command), command
     assert (2, "qwen3-30b-a3b", "fp8-block", 8, "stages=5,tile=32") in cases  # STEP=decode
     assert (1, "qwen3-30b-a3b", "fp8-block", 8192, "epilogue_wg128=1,ablate=epilogue") in cases  # STEP=wg128
 
