@@ -6,9 +6,9 @@
 # there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
 #   PLAN=ep1: STEP=one_gpu's kernel tests, STEP=wg128 and STEP=task_scales
-#   PLAN=cand: STEP=candidates: the one-GPU kernel tests' builds of this tree and of every candidate
-#              tree in .probe_cand/ (scripts/candidate_trees.sh), and the probe's builds of VARIANTS
-#              (SHAPES, TOKENS) as STEP=candidates runs them; carry [".probe_jit/cand", ".probe_cand"]
+#   PLAN=cand: STEP=candidates: the one-GPU kernel tests' and sanitizer probe's builds of every
+#              candidate tree in .probe_cand/ (scripts/candidate_trees.sh), and the probe's builds of
+#              VARIANTS (SHAPES, TOKENS) as STEP=candidates runs them; carry [".probe_jit/cand", ".probe_cand"]
 # A build missing here is still compiled on the device at its first call (a test's forced
 # setting not listed below, a changed test buffer): this saves time, it decides nothing.
 set -euo pipefail
@@ -80,8 +80,8 @@ case "${PLAN:-ep2}" in
   cand)
     # STEP=candidates: each tree's one-GPU tests (the sanitizers' probe loads builds of the same shapes),
     # then the A/B's builds (VARIANTS name the trees through csrc=.probe_cand/NAME/csrc)
+    # (this tree's tests do not run in that step: only its probe builds are compiled)
     ls -d .probe_cand/*/csrc > /dev/null || { echo "no candidate trees: run scripts/candidate_trees.sh first"; exit 2; }
-    one_gpu_test_builds
     for tree in .probe_cand/*/csrc; do
       export VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree"; one_gpu_test_builds; sanitize_probe_builds; unset VLLM_MEGAMOE_CSRC_DIR
     done
