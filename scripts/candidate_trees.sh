@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PATCHES="${PATCHES:-benchmarks/results/early_epilogue_loads/early_epilogue_loads.patch
 benchmarks/results/scales_into_tables/scales_into_tables_64.patch
-benchmarks/results/memory_phases/memory_phases.patch}"
+benchmarks/results/memory_phases/memory_phases.patch
+benchmarks/results/token_halves/token_halves.patch}"
 rm -rf .probe_cand && mkdir -p .probe_cand
 for patch in $PATCHES; do
   name=$(basename "$patch" .patch)

@@ -40,10 +40,11 @@
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
 #   STEP=candidates every candidate tree in .probe_cand/ (scripts/candidate_trees.sh: the patches kept in
-#                benchmarks/results/) against this tree, one GPU: each tree's one-GPU kernel tests, then one
-#                process timing this tree and every tree (VARIANTS, default "default csrc=<tree>/csrc ...";
-#                outputs must match bit for bit), then memcheck and racecheck of each tree, within BUDGET s
-#                (carry [".probe_jit/cand", ".probe_cand"], filled by PLAN=cand of precompile_for_device.sh)
+#                benchmarks/results/) against this tree, one GPU: one process per shape timing this tree
+#                and every tree (VARIANTS, default "default csrc=<tree>/csrc ..."; outputs must match bit
+#                for bit), each tree's one-GPU kernel tests, then memcheck and racecheck of each tree,
+#                within BUDGET s (PARTS / CANDS pick parts and trees; carry [".probe_jit/cand",
+#                ".probe_cand"], filled by PLAN=cand of precompile_for_device.sh)
 #   STEP=inproc  one_gpu's one-process A/B alone (this tree and the BASES trees), one GPU
 #   STEP=trace   where in a K chunk each warp spends its cycles (chunk trace builds), FP8
 #   STEP=wgmma   FP8 wgmma patterns of the K loop alone on every SM (benchmarks/wgmma_probe.py), one GPU
@@ -182,38 +183,51 @@ case "${STEP:-verify}" in
     D=2; [ -n "${NO_SANITIZE:-}" ] && D=1  # NO_SANITIZE=1: the probe takes what is left
     [ "$(left)" -gt 100 ] && inproc_ab $(( $(left) / D - 10 )) probe_1gpu_ab.json 24
     L=$(left); [ "$L" -gt 60 ] && [ -z "${NO_SANITIZE:-}" ] && sanitize $(( L / 2 - 5 )) ;;
-  candidates) # ~9-10 min on one H200 for three trees (their tests ~30-60 s each with the cache carried)
+  candidates) # ~9-10 min on one H200 for all parts and four trees: split it with PARTS (below)
+    # PARTS (default "probe tests sanitize", in that order): the A/B of this tree and every tree (one
+    # process per shape), each tree's one-GPU kernel tests, each tree's memcheck and racecheck. CANDS:
+    # the trees (default every .probe_cand/*), e.g. a second call PARTS="tests sanitize" CANDS="a b"
+    # for the trees the A/B found faster.
     T0=$(date +%s); left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
-    TREES=$(ls -d .probe_cand/*/ 2>/dev/null | sed 's:/$::'); [ -n "$TREES" ] || { echo "no .probe_cand/* (carry it)"; exit 2; }
-    for tree in $TREES; do  # one log for every tree (8 files come back from $OUT)
-      echo "== $tree" >> "$OUT/tests_candidates.log"
-      VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout ${TEST_TIMEOUT:-150} python3 -m pytest $T -o timeout=140 \
-        tests/gpu/test_sm90_mega_moe.py -k "${TEST_K:-one_gpu}" > "$OUT/tests.tmp" 2>&1
-      cat "$OUT/tests.tmp" >> "$OUT/tests_candidates.log"; echo "$tree: $(tail -1 "$OUT/tests.tmp")"; rm -f "$OUT/tests.tmp"
-    done
+    TREES=""; for c in ${CANDS:-$(ls .probe_cand 2>/dev/null)}; do TREES="$TREES .probe_cand/$c"; done
+    [ -n "$TREES" ] || { echo "no .probe_cand/* (carry it)"; exit 2; }
     VARIANTS="${VARIANTS:-default $(for t in $TREES; do printf 'csrc=%s/csrc ' "$t"; done)}"
-    # FP8 one probe per shape (a probe writes its JSON at its end: a cut one loses only its shape), at
-    # the table's 32-, 64- and 128-token builds; BF16 at prefill only (BF16_TOKENS); RESERVE s are kept
-    # for BF16 and the sanitizers (whatever is left: run STEP=sanitize with VLLM_MEGAMOE_CSRC_DIR set
-    # for a tree that gains, if they were cut)
-    set -- ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b}
-    while [ $# -gt 0 ]; do
-      budget=$(( ($(left) - ${RESERVE:-150}) / $# )); [ "$budget" -gt 30 ] || break
-      timeout $budget python3 -m benchmarks.kernel_probe --gpus 1 --format fp8-block --shapes $1 \
-        --tokens ${TOKENS:-1024 2048 8192} --variants $VARIANTS --rounds ${ROUNDS:-3} \
-        --out "$OUT/probe_candidates_fp8_$1.json" 2>&1 | tail -12
-      shift
-    done
-    [ "$(left)" -gt 100 ] && timeout $(( $(left) * 6 / 10 )) python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 \
-      --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${BF16_TOKENS:-8192} --variants $VARIANTS \
-      --rounds ${ROUNDS:-3} --out "$OUT/probe_candidates_bf16.json" 2>&1 | tail -12
-    for tree in $TREES; do  # each tree's sanitizers into one log
-      L=$(left); [ "$L" -gt 60 ] || break
-      for tool in memcheck racecheck; do
-        VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout $(( L / 5 )) compute-sanitizer --tool $tool --report-api-errors no \
-          --print-limit 20 python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.tmp" 2>&1
-        { echo "== $tree $tool"; tail -6 "$OUT/$tool.tmp"; } | tee -a "$OUT/sanitizers.log"; rm -f "$OUT/$tool.tmp"
-      done
+    for part in ${PARTS:-probe tests sanitize}; do
+      case $part in
+        probe)
+          # FP8 one probe per shape (a probe writes its JSON at its end: a cut one loses only its shape),
+          # at the table's 32-, 64- and 128-token builds; BF16 at prefill only (BF16_TOKENS); RESERVE s
+          # are kept for what follows
+          set -- ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b}
+          while [ $# -gt 0 ]; do
+            budget=$(( ($(left) - ${RESERVE:-150}) / $# )); [ "$budget" -gt 30 ] || break
+            timeout $budget python3 -m benchmarks.kernel_probe --gpus 1 --format fp8-block --shapes $1 \
+              --tokens ${TOKENS:-1024 2048 8192} --variants $VARIANTS --rounds ${ROUNDS:-3} \
+              --out "$OUT/probe_candidates_fp8_$1.json" 2>&1 | tail -12
+            shift
+          done
+          [ "$(left)" -gt 100 ] && timeout $(( $(left) * 6 / 10 )) python3 -m benchmarks.kernel_probe --gpus 1 --format bf16 \
+            --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens ${BF16_TOKENS:-8192} --variants $VARIANTS \
+            --rounds ${ROUNDS:-3} --out "$OUT/probe_candidates_bf16.json" 2>&1 | tail -12 ;;
+        tests)
+          for tree in $TREES; do  # one log for every tree (8 files come back from $OUT)
+            [ "$(left)" -gt 60 ] || break
+            echo "== $tree" >> "$OUT/tests_candidates.log"
+            VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout ${TEST_TIMEOUT:-150} python3 -m pytest $T -o timeout=140 \
+              tests/gpu/test_sm90_mega_moe.py -k "${TEST_K:-one_gpu}" > "$OUT/tests.tmp" 2>&1
+            cat "$OUT/tests.tmp" >> "$OUT/tests_candidates.log"; echo "$tree: $(tail -1 "$OUT/tests.tmp")"; rm -f "$OUT/tests.tmp"
+          done ;;
+        sanitize)
+          for tree in $TREES; do  # each tree's sanitizers into one log
+            L=$(left); [ "$L" -gt 60 ] || break
+            for tool in memcheck racecheck; do
+              VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree/csrc" timeout $(( L / 5 )) compute-sanitizer --tool $tool --report-api-errors no \
+                --print-limit 20 python3 tests/gpu/sanitize_probe.py > "$OUT/$tool.tmp" 2>&1
+              { echo "== $tree $tool"; tail -6 "$OUT/$tool.tmp"; } | tee -a "$OUT/sanitizers.log"; rm -f "$OUT/$tool.tmp"
+            done
+          done ;;
+        *) echo "unknown part $part: probe, tests or sanitize"; exit 2 ;;
+      esac
     done ;;
   inproc)   # ~4-6 min, one H200: only the one-process A/B of one_gpu (this tree and every BASES tree, in
             # turn for ROUNDS rounds), within PROBE_TIMEOUT s
