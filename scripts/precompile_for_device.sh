@@ -78,9 +78,8 @@ case "${PLAN:-ep2}" in
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
     probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
   cand)
-    # STEP=candidates: each tree's one-GPU tests (the sanitizers' probe loads builds of the same shapes),
-    # then the A/B's builds (VARIANTS name the trees through csrc=.probe_cand/NAME/csrc)
-    # (this tree's tests do not run in that step: only its probe builds are compiled)
+    # STEP=candidates: each candidate tree's one-GPU test and sanitizer probe builds (this tree's tests
+    # do not run in that step), then the A/B's builds (VARIANTS name the trees: csrc=.probe_cand/NAME/csrc)
     ls -d .probe_cand/*/csrc > /dev/null || { echo "no candidate trees: run scripts/candidate_trees.sh first"; exit 2; }
     for tree in .probe_cand/*/csrc; do
       export VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree"; one_gpu_test_builds; sanitize_probe_builds; unset VLLM_MEGAMOE_CSRC_DIR
