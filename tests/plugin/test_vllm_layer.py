@@ -122,6 +122,39 @@ def test_modular_kernel_matches_reference(fmt, gen, fresh_worker):
     assert fresh_worker.STATE.buffer is not None and fresh_worker.STATE.buffer_tokens == 64
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_vllm_kernel_factories_run_megamoe(fmt, gen, fresh_worker):
+    """The way vLLM's MoE methods build the kernel: the oracle's choice, then vLLM's own factory
+    (make_*_moe_kernel picks the prepare/finalize and constructs the experts class)."""
+    from vllm.model_executor.layers.fused_moe.oracle import fp8, unquantized
+
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    weights = ExpertWeights.from_float(w13, w2, fmt)
+    checkpoint = weights.dequantize()  # before the layer is processed (it may reuse the storage)
+    config = moe_config()
+    if fmt == "bf16":
+        backend, experts_cls = unquantized.select_unquantized_moe_backend(config)
+        kernel = unquantized.make_unquantized_moe_kernel(FUSED_MOE_UNQUANTIZED_CONFIG, config,
+                                                         backend, experts_cls)
+    else:
+        quant = fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
+                                          a1_scale=None, a2_scale=None, block_shape=[128, 128])
+        backend, experts_cls = fp8.select_fp8_moe_backend(config, kFp8Static128BlockSym,
+                                                          kFp8Dynamic128Sym)
+        kernel = fp8.make_fp8_moe_kernel(quant, config, experts_cls, backend)
+    assert isinstance(kernel.fused_experts, MegaMoEExperts)
+    layer = FakeLayer(weights)
+    kernel.fused_experts.process_weights_after_loading(layer)
+    x, idx, tw = routing(29, gen)
+    y = run(kernel, layer, x, idx, tw)
+    emulate = "fp8" if fmt == "fp8-block" else "bf16"
+    ref = reference.moe_forward(x, idx, tw, *checkpoint, emulate=emulate)
+    assert y.shape == (29, H) and y.abs().max() > 0
+    assert reference.relative_error(y, ref) < BOUND[fmt]
+
+
 def test_zero_tokens_and_too_many(gen):
     kernel, layer, _ = make_kernel("bf16", gen)
     x, idx, tw = routing(0, gen)

@@ -7,6 +7,8 @@ Template: vllm/model_executor/layers/fused_moe/experts/flashinfer_moe_ep.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -39,6 +41,15 @@ SUPPORTED_TEXT = ("unquantized BF16 checkpoints and FP8 checkpoints with 128x128
                   "(quantization_config.weight_block_size [128, 128])")
 
 
+def _all2all_format_is_not_standard(moe: FusedMoEConfig) -> bool:
+    """Whether the all2all hands the experts tokens in another layout than one row per token
+    (DeepEP low-latency / NIXL batches, DeepEP v2 padding). vLLM 0.34 asks the layer's config
+    (`FusedMoEConfig.activation_format`); 0.32-0.33 asked the parallel config."""
+    if isinstance(getattr(type(moe), "activation_format", None), property):
+        return moe.activation_format != mk.FusedMoEActivationFormat.Standard
+    return moe.moe_parallel_config.use_batched_activation_format
+
+
 def unsupported_reasons(moe: FusedMoEConfig, weight_key: QuantKey | None = None,
                         activation_key: QuantKey | None = None) -> list[str]:
     """What keeps megamoe from running this MoE layer, each with the change that fixes it."""
@@ -66,7 +77,7 @@ def unsupported_reasons(moe: FusedMoEConfig, weight_key: QuantKey | None = None,
                        "--enable-expert-parallel")
     if par.pcp_size > 1:
         reasons.append("prefill context parallel: megamoe does not gather PCP ranks' tokens")
-    if par.use_batched_activation_format:
+    if _all2all_format_is_not_standard(moe):
         reasons.append(f"all2all backend {par.all2all_backend!r}: leave --all2all-backend unset")
     if moe.num_experts % max(par.ep_size, 1):
         reasons.append(f"{moe.num_experts} experts on {par.ep_size} EP ranks: megamoe needs the "
@@ -223,6 +234,10 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         for name, tensor in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
             if getattr(layer, name).data is not tensor:
                 replace_parameter(layer, name, tensor)
+        # vLLM 0.34 copies a tensor that fits into the parameter's own storage (captured graphs
+        # keep its address) instead of rebinding the parameter to it: the kernel then reads the
+        # parameter, so the layer holds one copy of its experts, the one EPLB permutes.
+        weights = dataclasses.replace(weights, w13=layer.w13_weight.data, w2=layer.w2_weight.data)
         self._weights = weights
         self._clamp = self.activation_config.clamp_limit
         group = None
