@@ -19,10 +19,18 @@ _registered = False
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: make `megamoe` a valid --moe-backend (idempotent)."""
+    """vLLM general-plugin entry point: make `megamoe` a valid --moe-backend (idempotent).
+
+    vLLM calls it in every process whatever the MoE backend, so a vLLM release whose internals
+    the hooks cannot find is logged as an error rather than raised: vLLM keeps serving with its
+    own backends, and `--moe-backend megamoe` then fails at startup after that error line,
+    which says what to install."""
     global _registered
     if _registered:
         return
     from . import hooks
-    hooks.install()
     _registered = True
+    try:
+        hooks.install()
+    except RuntimeError as e:
+        hooks.logger.error("%s", e)

