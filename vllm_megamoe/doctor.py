@@ -24,6 +24,17 @@ def _version(module: str) -> str:
         return f"installed but fails to import ({type(exc).__name__}: {exc})"
 
 
+def _vllm_version() -> str:
+    from .plugin import CHECKED_VLLM_RELEASES, checked_vllm_release
+    found = _version("vllm")
+    if found[:1].isdigit():
+        checked = ", ".join(CHECKED_VLLM_RELEASES)
+        found += (f" (the plugin is checked on {checked})" if checked_vllm_release(found) else
+                  f" (not a release the plugin is checked on: {checked}; `bash "
+                  f"scripts/vllm_releases.sh {found.split('+')[0]}` tests one)")
+    return found
+
+
 def _cuda_bindings_version() -> str:
     try:
         from importlib.metadata import version
@@ -78,7 +89,7 @@ def collect() -> list[tuple[str, str]]:
             ("torch", torch.__version__),
             ("torch CUDA", str(torch.version.cuda)),
             ("cuda-bindings", _cuda_bindings_version()),
-            ("vllm", _version("vllm")),
+            ("vllm", _vllm_version()),
             ("deep_gemm (SM100)", _deep_gemm())]
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     rows.append(("GPUs", str(n)))

@@ -25,7 +25,7 @@ def test_checked_release_installs_quietly(monkeypatch):
     monkeypatch.setattr(hooks.logger, "warning", warned)
     hooks.install()  # the installed release (the hooks are in place already: idempotent)
     assert warned.lines == []
-    assert vllm.__version__.startswith(hooks.CHECKED_RELEASES)
+    assert plugin.checked_vllm_release(vllm.__version__)
 
 
 def test_unchecked_release_warns(monkeypatch):
@@ -59,3 +59,14 @@ def test_register_logs_a_failed_install_instead_of_raising(monkeypatch):
     assert logged.lines == ["vllm-megamoe cannot hook into vLLM 0.99.1: ..."]
     plugin.register()  # once per process
     assert len(logged.lines) == 1
+
+
+def test_doctor_says_whether_the_release_is_checked(monkeypatch):
+    from vllm_megamoe import doctor
+    assert "(the plugin is checked on 0.32, 0.33, 0.34)" in doctor._vllm_version()
+    monkeypatch.setattr(doctor, "_version", lambda module: "0.99.1")
+    row = doctor._vllm_version()
+    assert row.startswith("0.99.1 (not a release the plugin is checked on: 0.32, 0.33, 0.34;")
+    assert "scripts/vllm_releases.sh 0.99.1" in row
+    monkeypatch.setattr(doctor, "_version", lambda module: "not installed")
+    assert doctor._vllm_version() == "not installed"

