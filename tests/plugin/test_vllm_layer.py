@@ -155,6 +155,26 @@ def test_vllm_kernel_factories_run_megamoe(fmt, gen, fresh_worker):
     assert reference.relative_error(y, ref) < BOUND[fmt]
 
 
+def test_experts_refuse_a_batched_all2all():
+    """The experts' own capability check (vLLM's oracle loop calls it): DeepEP low-latency hands
+    out batches per expert, which megamoe does not read (0.34 moved the flag it asks)."""
+    import dataclasses
+
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    standard = mk.FusedMoEActivationFormat.Standard
+    assert MegaMoEExperts.is_supported_config(MegaMoEExperts, moe_config(), None, None,
+                                              standard) == (True, None)
+    low_latency = dataclasses.replace(FusedMoEParallelConfig.make_no_parallel(), use_ep=True,
+                                      all2all_backend="deepep_low_latency", dp_size=2, ep_size=2)
+    assert low_latency.use_deepep_ll_kernels
+    supported, reason = MegaMoEExperts.is_supported_config(
+        MegaMoEExperts, moe_config(moe_parallel_config=low_latency), None, None, standard)
+    assert not supported and "deepep_low_latency" in reason
+    from vllm_megamoe.plugin.experts import check_layer
+    with pytest.raises(ValueError, match="leave --all2all-backend unset"):  # the layer check too
+        check_layer(moe_config(moe_parallel_config=low_latency))
+
+
 def test_zero_tokens_and_too_many(gen):
     kernel, layer, _ = make_kernel("bf16", gen)
     x, idx, tw = routing(0, gen)

@@ -74,6 +74,9 @@ def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
     assert len(runtime.STATE.sm100_buffers) == 1 and runtime.STATE.buffer is None
     # The layer's parameters alias the kernel-layout tensors (FP8 checkpoints become MXFP4).
     assert layer.w13_weight.data_ptr() == experts._weights.w13.data_ptr()
+    # ... and hold nothing more: the checkpoint's storage (FP8: twice MXFP4's bytes) is freed.
+    for param in (layer.w13_weight, layer.w2_weight):
+        assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
     assert experts._weights.mma_type == ("bf16xbf16" if fmt == "bf16" else "fp8xfp4")
     x, idx, tw = routing(21, gen)
     x = torch.randn(21, H, generator=gen).to(torch.bfloat16)
@@ -90,3 +93,23 @@ def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
     print(f"{fmt}: relative error {err_held:.3e} vs held weights, {err_ckpt:.3e} vs checkpoint")
     assert err_held < bound
     assert err_ckpt < (2e-2 if fmt == "bf16" else 0.25)
+
+
+def test_sm100_path_refuses_eplb(sm100_worker, gen):
+    """EPLB permutes the layer's parameters; the SM100 path keeps its MXFP4 scales apart from them,
+    so a rebalanced layer would read moved weights with unmoved scales: refused at load time."""
+    import dataclasses
+
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    weights = ExpertWeights.from_float(w13, w2, "fp8-block")
+    quant = fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
+                                      a1_scale=None, a2_scale=None, block_shape=[128, 128])
+    eplb = dataclasses.replace(FusedMoEParallelConfig.make_no_parallel(), enable_eplb=True)
+    experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I, moe_parallel_config=eplb),
+                             quant)
+    with pytest.raises(ValueError, match="remove --enable-eplb"):
+        experts.process_weights_after_loading(FakeLayer(weights))

@@ -7,8 +7,6 @@ Template: vllm/model_executor/layers/fused_moe/experts/flashinfer_moe_ep.py.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -26,7 +24,6 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kFp8Dynamic128Sym,
     kFp8Static128BlockSym,
 )
-from vllm.model_executor.utils import replace_parameter
 
 from .. import ops
 from ..shape import CHANNEL_ALIGN, MoEShape
@@ -41,13 +38,14 @@ SUPPORTED_TEXT = ("unquantized BF16 checkpoints and FP8 checkpoints with 128x128
                   "(quantization_config.weight_block_size [128, 128])")
 
 
-def _all2all_format_is_not_standard(moe: FusedMoEConfig) -> bool:
+def _all2all_format_is_not_standard(par: FusedMoEParallelConfig) -> bool:
     """Whether the all2all hands the experts tokens in another layout than one row per token
-    (DeepEP low-latency / NIXL batches, DeepEP v2 padding). vLLM 0.34 asks the layer's config
-    (`FusedMoEConfig.activation_format`); 0.32-0.33 asked the parallel config."""
-    if isinstance(getattr(type(moe), "activation_format", None), property):
-        return moe.activation_format != mk.FusedMoEActivationFormat.Standard
-    return moe.moe_parallel_config.use_batched_activation_format
+    (DeepEP low-latency / NIXL batches, DeepEP v2's padded rows). vLLM 0.32-0.33 have the
+    parallel config's `use_batched_activation_format`; 0.34 moved that to FusedMoEConfig."""
+    if hasattr(type(par), "use_batched_activation_format"):
+        return bool(par.use_batched_activation_format)
+    return any(getattr(par, kind, False) for kind in
+               ("use_deepep_ll_kernels", "use_nixl_ep_kernels", "use_deepep_v2_kernels"))
 
 
 def unsupported_reasons(moe: FusedMoEConfig, weight_key: QuantKey | None = None,
@@ -77,7 +75,7 @@ def unsupported_reasons(moe: FusedMoEConfig, weight_key: QuantKey | None = None,
                        "--enable-expert-parallel")
     if par.pcp_size > 1:
         reasons.append("prefill context parallel: megamoe does not gather PCP ranks' tokens")
-    if _all2all_format_is_not_standard(moe):
+    if _all2all_format_is_not_standard(par):
         reasons.append(f"all2all backend {par.all2all_backend!r}: leave --all2all-backend unset")
     if moe.num_experts % max(par.ep_size, 1):
         reasons.append(f"{moe.num_experts} experts on {par.ep_size} EP ranks: megamoe needs the "
@@ -102,6 +100,18 @@ def check_layer(moe: FusedMoEConfig, weight_key=None, activation_key=None) -> st
             + "\n  - ".join(reasons)
             + f"\nTo serve it anyway, leave --moe-backend unset (vLLM picks its default).")
     return SUPPORTED_QUANT[(weight_key, activation_key)]
+
+
+def _point_parameter_at(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make `param` hold `tensor` itself (same storage, shape, dtype), so the layer keeps one copy
+    of its experts, the one EPLB permutes, and the checkpoint's storage is freed. Not vLLM's
+    replace_parameter: 0.32 makes a new Parameter (dropping the loader's attributes), 0.33 and
+    0.34 copy a tensor that fits into the old storage, which 0.34 keeps whole even when the
+    kernel's tensor is smaller (MXFP4 from FP8 on the SM100 path)."""
+    same = (param.data_ptr() == tensor.data_ptr() and param.dtype == tensor.dtype
+            and param.shape == tensor.shape and param.stride() == tensor.stride())
+    if not same:
+        param.data = tensor
 
 
 class _ReduceNoOp(TopKWeightAndReduceNoOP):
@@ -160,7 +170,7 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        return not moe_parallel_config.use_batched_activation_format
+        return not _all2all_format_is_not_standard(moe_parallel_config)
 
     @property
     def expects_unquantized_inputs(self) -> bool:
@@ -185,8 +195,8 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         return self._weights is not None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Convert the layer's weights to the layout of the path that will run, rebind the
-        layer's parameters to alias them (the originals are freed), register with the worker.
+        """Convert the layer's weights to the layout of the path that will run, point the
+        layer's parameters at them (the originals are freed), register with the worker.
         Idempotent; vLLM's FP8 method does not call it, the loader hook (hooks.py) does."""
         if self._weights is not None:
             return
@@ -231,13 +241,12 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
                                       w2_scale_inv=weights.w2_scale)
         else:
             weights = ops.prepare_weights(weights, self._path)
+        if self._path == "sm100" and getattr(par, "enable_eplb", False):
+            raise ValueError(f"{self.layer_name}: --enable-eplb with megamoe's SM100 path: EPLB "
+                             "would move the experts' weights but not their MXFP4 scales, which "
+                             "the kernel keeps apart; remove --enable-eplb")
         for name, tensor in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
-            if getattr(layer, name).data is not tensor:
-                replace_parameter(layer, name, tensor)
-        # vLLM 0.34 copies a tensor that fits into the parameter's own storage (captured graphs
-        # keep its address) instead of rebinding the parameter to it: the kernel then reads the
-        # parameter, so the layer holds one copy of its experts, the one EPLB permutes.
-        weights = dataclasses.replace(weights, w13=layer.w13_weight.data, w2=layer.w2_weight.data)
+            _point_parameter_at(getattr(layer, name), tensor)
         self._weights = weights
         self._clamp = self.activation_config.clamp_limit
         group = None
