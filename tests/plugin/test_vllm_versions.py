@@ -48,17 +48,27 @@ def test_moved_hook_point_is_an_error_naming_the_release(monkeypatch):
         hooks.install()
 
 
+def test_a_checked_release_that_fails_is_reported_as_a_bug(monkeypatch):
+    def broken():
+        raise ValueError("something else")
+    monkeypatch.setattr(hooks, "_extend_moe_backend_choices", broken)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0: ValueError: something else\. vLLM 0\.34\.0 "
+                                           r"is a release the plugin is checked on, so this is a bug"):
+        hooks.install()
+
+
 def test_register_logs_a_failed_install_instead_of_raising(monkeypatch):
     def failing():
         raise RuntimeError("vllm-megamoe cannot hook into vLLM 0.99.1: ...")
-    logged = Recorder()
+    logged = []
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(hooks, "install", failing)
-    monkeypatch.setattr(hooks.logger, "error", logged)
+    monkeypatch.setattr(hooks.logger, "error", lambda fmt, *args, **kw: logged.append((fmt % args, kw)))
     plugin.register()  # vLLM calls it in every process: it must not take vLLM down
-    assert logged.lines == ["vllm-megamoe cannot hook into vLLM 0.99.1: ..."]
+    assert logged == [("vllm-megamoe cannot hook into vLLM 0.99.1: ...", {"exc_info": True})]
     plugin.register()  # once per process
-    assert len(logged.lines) == 1
+    assert len(logged) == 1
 
 
 def test_doctor_says_whether_the_release_is_checked(monkeypatch):

@@ -29,10 +29,10 @@ _registered = False
 def register() -> None:
     """vLLM general-plugin entry point: make `megamoe` a valid --moe-backend (idempotent).
 
-    vLLM calls it in every process whatever the MoE backend, so a vLLM release whose internals
-    the hooks cannot find is logged as an error rather than raised: vLLM keeps serving with its
-    own backends, and `--moe-backend megamoe` then fails at startup after that error line,
-    which says what to install."""
+    vLLM calls it in every process whatever the MoE backend, so hooks that cannot be installed
+    (a vLLM release whose internals moved) are logged as an error rather than raised: vLLM keeps
+    serving with its own backends, and `--moe-backend megamoe` is then refused at startup after
+    that error line, which says what to do."""
     global _registered
     if _registered:
         return
@@ -40,5 +40,5 @@ def register() -> None:
     _registered = True
     try:
         hooks.install()
-    except RuntimeError as e:
-        hooks.logger.error("%s", e)
+    except Exception as e:  # noqa: BLE001 - nothing the plugin does may take vLLM down
+        hooks.logger.error("%s", e, exc_info=True)

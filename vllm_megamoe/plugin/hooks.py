@@ -51,15 +51,20 @@ def install() -> None:
                        version, ", ".join(CHECKED_RELEASES), version.split("+")[0])
     try:
         _install_hooks()
-    except (ImportError, AttributeError, KeyError, StopIteration, TypeError) as e:
-        raise RuntimeError(
-            f"vllm-megamoe cannot hook into vLLM {version}: {type(e).__name__}: {e}. The plugin "
-            f"patches vLLM's MoE internals and was checked against vLLM "
-            f"{', '.join(CHECKED_RELEASES)}: install one of those to use --moe-backend megamoe.") from e
+    except Exception as e:
+        if checked_vllm_release(version):
+            what = (f"vLLM {version} is a release the plugin is checked on, so this is a bug in "
+                    "vllm-megamoe or a broken vLLM install; please report it with this message")
+        else:
+            what = (f"the plugin patches vLLM's MoE internals and was checked against vLLM "
+                    f"{', '.join(CHECKED_RELEASES)}: install one of those to use --moe-backend megamoe")
+        raise RuntimeError(f"vllm-megamoe cannot hook into vLLM {version}: "
+                           f"{type(e).__name__}: {e}. {what}.") from e
 
 
 def _install_hooks() -> None:
-    _extend_moe_backend_choices()
+    # The CLI choice comes last: if an earlier hook point moved, `--moe-backend megamoe` stays an
+    # unknown choice instead of reaching a half-hooked vLLM.
     _patch(f"{_ORACLE_PKG}.unquantized", "select_unquantized_moe_backend", _wrap_select_unquantized)
     _patch(f"{_ORACLE_PKG}.unquantized", "map_unquantized_backend", _wrap_map_to_triton("unquantized"))
     _patch(f"{_ORACLE_PKG}.fp8", "select_fp8_moe_backend", _wrap_select_fp8)
@@ -78,6 +83,7 @@ def _install_hooks() -> None:
     from .converted import wrap_load_weights
     _patch_method("vllm.model_executor.model_loader.default_loader", "DefaultModelLoader", "load_weights",
                   wrap_load_weights)
+    _extend_moe_backend_choices()
 
 
 # -- patching machinery ---------------------------------------------------------------------
