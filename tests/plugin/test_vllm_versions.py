@@ -38,23 +38,22 @@ def test_unchecked_release_warns(monkeypatch):
     assert "scripts/vllm_releases.sh 0.99.1" in warned.lines[0]
 
 
-def test_moved_hook_point_is_an_error_naming_the_release(monkeypatch):
-    def moved():
-        raise AttributeError("module 'vllm.config.kernel' has no attribute 'KernelConfig'")
-    monkeypatch.setattr(hooks, "_extend_moe_backend_choices", moved)
-    monkeypatch.setattr(vllm, "__version__", "0.99.1")
-    with pytest.raises(RuntimeError, match=r"cannot hook into vLLM 0\.99\.1: AttributeError: .*"
-                                           r"KernelConfig.*checked against vLLM 0\.32, 0\.33, 0\.34"):
-        hooks.install()
-
-
-def test_a_checked_release_that_fails_is_reported_as_a_bug(monkeypatch):
-    def broken():
-        raise ValueError("something else")
-    monkeypatch.setattr(hooks, "_extend_moe_backend_choices", broken)
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0: ValueError: something else\. vLLM 0\.34\.0 "
-                                           r"is a release the plugin is checked on, so this is a bug"):
+@pytest.mark.parametrize("version,error,message", [
+    # A release the plugin was not checked on: install a checked one.
+    ("0.99.1", AttributeError("module 'vllm.config.kernel' has no attribute 'KernelConfig'"),
+     r"cannot hook into vLLM 0\.99\.1: AttributeError: .*KernelConfig.*checked against vLLM "
+     r"0\.32, 0\.33, 0\.34: install one of those"),
+    # A checked release: a bug to report.
+    ("0.34.0", ValueError("something else"),
+     r"vLLM 0\.34\.0: ValueError: something else\. vLLM 0\.34\.0 is a release the plugin is "
+     r"checked on, so this is a bug"),
+])
+def test_a_hook_that_fails_is_an_error_naming_the_release(monkeypatch, version, error, message):
+    def failing():
+        raise error
+    monkeypatch.setattr(hooks, "_extend_moe_backend_choices", failing)
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(RuntimeError, match=message):
         hooks.install()
 
 
