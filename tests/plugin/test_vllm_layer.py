@@ -70,16 +70,20 @@ class FakeLayer(torch.nn.Module):
         self.w2_weight = torch.nn.Parameter(weights.w2, requires_grad=False)
 
 
-def make_kernel(fmt, gen, *, layout="checkpoint"):
-    from vllm_megamoe.plugin.experts import MegaMoEExperts
-    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
-    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+def make_weights(fmt, gen, hidden=H, inter=I):
+    """Random checkpoint-layout experts in `fmt` and the quant config vLLM would hand the experts."""
+    w13 = torch.randn(E, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(E, hidden, inter, generator=gen) / inter ** 0.5
     weights = ExpertWeights.from_float(w13, w2, fmt)
     if fmt == "bf16":
-        quant = FUSED_MOE_UNQUANTIZED_CONFIG
-    else:
-        quant = fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
-                                          a1_scale=None, a2_scale=None, block_shape=[128, 128])
+        return weights, FUSED_MOE_UNQUANTIZED_CONFIG
+    return weights, fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
+                                              a1_scale=None, a2_scale=None, block_shape=[128, 128])
+
+
+def make_kernel(fmt, gen, *, layout="checkpoint"):
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    weights, quant = make_weights(fmt, gen)
     loaded = weights
     if layout == "interleaved":  # what an offline-converted (sm90) checkpoint stores
         from dataclasses import replace
@@ -129,18 +133,13 @@ def test_vllm_kernel_factories_run_megamoe(fmt, gen, fresh_worker):
     from vllm.model_executor.layers.fused_moe.oracle import fp8, unquantized
 
     from vllm_megamoe.plugin.experts import MegaMoEExperts
-    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
-    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
-    weights = ExpertWeights.from_float(w13, w2, fmt)
-    checkpoint = weights.dequantize()  # before the layer is processed (it may reuse the storage)
+    weights, quant = make_weights(fmt, gen)
+    checkpoint = weights.dequantize()  # before the layer's parameters take the kernel's tensors
     config = moe_config()
     if fmt == "bf16":
         backend, experts_cls = unquantized.select_unquantized_moe_backend(config)
-        kernel = unquantized.make_unquantized_moe_kernel(FUSED_MOE_UNQUANTIZED_CONFIG, config,
-                                                         backend, experts_cls)
+        kernel = unquantized.make_unquantized_moe_kernel(quant, config, backend, experts_cls)
     else:
-        quant = fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
-                                          a1_scale=None, a2_scale=None, block_shape=[128, 128])
         backend, experts_cls = fp8.select_fp8_moe_backend(config, kFp8Static128BlockSym,
                                                           kFp8Dynamic128Sym)
         kernel = fp8.make_fp8_moe_kernel(quant, config, experts_cls, backend)

@@ -16,19 +16,14 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
-from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
-    FUSED_MOE_UNQUANTIZED_CONFIG,
-    fp8_w8a8_moe_quant_config,
-)
 from vllm.model_executor.layers.fused_moe.prepare_finalize.passthrough import (  # noqa: E402
     PassThroughPrepareAndFinalize,
 )
 
 from sm100_fake_deepgemm import make_fake  # noqa: E402
-from test_vllm_layer import FakeLayer, moe_config, routing, run  # noqa: E402
+from test_vllm_layer import FakeLayer, make_weights, moe_config, routing, run  # noqa: E402
 from vllm_megamoe import ops, reference  # noqa: E402
 from vllm_megamoe.sm100 import discovery  # noqa: E402
-from vllm_megamoe.weights import ExpertWeights  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -56,15 +51,8 @@ def sm100_worker(monkeypatch):
 def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
     runtime, fake = sm100_worker
     from vllm_megamoe.plugin.experts import MegaMoEExperts
-    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
-    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
-    weights = ExpertWeights.from_float(w13, w2, fmt)
-    # Before the layer is processed: vLLM 0.34's replace_parameter writes the converted weights
-    # into the checkpoint parameters' storage, which `weights` shares.
-    checkpoint = weights.dequantize()
-    quant = FUSED_MOE_UNQUANTIZED_CONFIG if fmt == "bf16" else fp8_w8a8_moe_quant_config(
-        w1_scale=weights.w13_scale, w2_scale=weights.w2_scale, a1_scale=None, a2_scale=None,
-        block_shape=[128, 128])
+    weights, quant = make_weights(fmt, gen, hidden=H, inter=I)
+    checkpoint = weights.dequantize()  # before the layer's parameters take the kernel's tensors
     layer = FakeLayer(weights)
     experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I), quant)
     kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), experts)
@@ -103,11 +91,7 @@ def test_sm100_path_refuses_eplb(sm100_worker, gen):
     from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
 
     from vllm_megamoe.plugin.experts import MegaMoEExperts
-    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
-    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
-    weights = ExpertWeights.from_float(w13, w2, "fp8-block")
-    quant = fp8_w8a8_moe_quant_config(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale,
-                                      a1_scale=None, a2_scale=None, block_shape=[128, 128])
+    weights, quant = make_weights("fp8-block", gen, hidden=H, inter=I)
     eplb = dataclasses.replace(FusedMoEParallelConfig.make_no_parallel(), enable_eplb=True)
     experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I, moe_parallel_config=eplb),
                              quant)
