@@ -24,8 +24,7 @@ import importlib
 import sys
 import typing
 
-from . import CHECKED_VLLM_RELEASES as CHECKED_RELEASES
-from . import checked_vllm_release
+from . import CHECKED_VLLM_RELEASES, checked_vllm_release
 from .runtime import logger
 
 BACKEND = "megamoe"
@@ -43,21 +42,22 @@ def install() -> None:
     that moved in this vLLM release is an error naming the release and the checked ones."""
     import vllm
     version = str(getattr(vllm, "__version__", "unknown"))
-    if not checked_vllm_release(version):
+    checked = checked_vllm_release(version)
+    if not checked:
         logger.warning("megamoe: vLLM %s is not one of the releases the plugin was checked "
                        "against (%s): it hooks vLLM's MoE internals, so a failure at startup or in "
                        "a MoE layer may come from a change there (`bash scripts/vllm_releases.sh "
                        "%s` runs the plugin's layer and startup tests against a release).",
-                       version, ", ".join(CHECKED_RELEASES), version.split("+")[0])
+                       version, ", ".join(CHECKED_VLLM_RELEASES), version.split("+")[0])
     try:
         _install_hooks()
     except Exception as e:
-        if checked_vllm_release(version):
+        if checked:
             what = (f"vLLM {version} is a release the plugin is checked on, so this is a bug in "
                     "vllm-megamoe or a broken vLLM install; please report it with this message")
         else:
             what = (f"the plugin patches vLLM's MoE internals and was checked against vLLM "
-                    f"{', '.join(CHECKED_RELEASES)}: install one of those to use --moe-backend megamoe")
+                    f"{', '.join(CHECKED_VLLM_RELEASES)}: install one of those to use --moe-backend megamoe")
         raise RuntimeError(f"vllm-megamoe cannot hook into vLLM {version}: "
                            f"{type(e).__name__}: {e}. {what}.") from e
 
