@@ -1,13 +1,16 @@
 """Tiny random Mixture-of-Experts checkpoints for tests and demos (no downloads).
 
     python -m vllm_megamoe.tiny_model OUT_DIR [--arch qwen3_moe|mixtral] [--seed 0]
+                                      [--experts bf16|fp8-block]
 
 writes a Hugging Face checkpoint (config.json, model.safetensors, tokenizer files) of a
 2-layer model with hidden 256, expert width 128, 8 experts, top-2: small enough that vLLM on
 CPU loads and runs it in seconds, and sized so every megamoe path accepts it (hidden and
 intermediate are multiples of 128). Weights are random but reproducible from the seed.
 The tokenizer is a byte-level BPE trained in-process on a few sentences, so `vllm serve`
-can take and return text.
+can take and return text. `--experts fp8-block` stores the experts as FP8 with 128x128 block
+scales (`weight_scale_inv`, DeepSeek-V3's checkpoint format) and keeps every other layer BF16
+(`ignored_layers`), so vLLM's CPU build serves it.
 
 Needs `transformers` and `tokenizers` (both come with vLLM); the package itself does not.
 """
@@ -19,6 +22,7 @@ import os
 from typing import Optional
 
 ARCHS = ("qwen3_moe", "mixtral")
+EXPERT_FORMATS = ("bf16", "fp8-block")
 
 # The sizes every test and the demo use; change them here only.
 TINY = dict(hidden_size=256, moe_intermediate_size=128, num_experts=8, top_k=2,
@@ -80,8 +84,9 @@ def _make_tokenizer(vocab_size: int):
 
 
 def make_tiny_moe(out_dir: str, arch: str = "qwen3_moe", seed: int = 0,
-                  megamoe: Optional[dict] = None) -> str:
-    """Write a tiny random `arch` MoE checkpoint (BF16) to out_dir; return out_dir.
+                  megamoe: Optional[dict] = None, experts: str = "bf16") -> str:
+    """Write a tiny random `arch` MoE checkpoint to out_dir; return out_dir. Its experts are
+    BF16 or, with experts="fp8-block", FP8 with 128x128 block scales; all else is BF16.
 
     megamoe: optional dict stored as config.json["megamoe"] (marks an offline-converted
     checkpoint; only for tests of that detection, the weights are not converted here).
@@ -90,8 +95,10 @@ def make_tiny_moe(out_dir: str, arch: str = "qwen3_moe", seed: int = 0,
     import torch
     from transformers import AutoModelForCausalLM
 
-    stamp = json.dumps({"arch": arch, "seed": seed, "megamoe": megamoe, "tiny": TINY},
-                       sort_keys=True)
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts={experts!r} is not one of {EXPERT_FORMATS}")
+    stamp = json.dumps({"arch": arch, "seed": seed, "megamoe": megamoe, "tiny": TINY,
+                        "experts": experts}, sort_keys=True)
     stamp_path = os.path.join(out_dir, "tiny_model.json")
     if os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
         return out_dir
@@ -120,9 +127,42 @@ def make_tiny_moe(out_dir: str, arch: str = "qwen3_moe", seed: int = 0,
                 p.mul_(spread.to(p.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    if experts == "fp8-block":
+        _quantize_experts_fp8_block(out_dir)
     with open(stamp_path, "w") as f:
         f.write(stamp)
     return out_dir
+
+
+def _is_expert_weight(name: str) -> bool:
+    return ".experts." in name and name.endswith(".weight")
+
+
+def _quantize_experts_fp8_block(out_dir: str) -> None:
+    """Rewrite the saved checkpoint with FP8 128x128-block experts and say so in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    from . import quant
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    out = {}
+    for name, t in tensors.items():
+        if _is_expert_weight(name):
+            out[name], out[name + "_scale_inv"] = quant.quantize_fp8_blocks(t.float(), (128, 128))
+        else:
+            out[name] = t
+    save_file(out, path, metadata={"format": "pt"})
+    # Every other linear layer stays BF16: vLLM's CPU build has no FP8 linear kernels.
+    ignored = sorted(name[: -len(".weight")] for name, t in tensors.items()
+                     if t.dim() == 2 and not _is_expert_weight(name) and "embed" not in name)
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "ignored_layers": ignored}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def main(argv=None) -> None:
@@ -130,8 +170,10 @@ def main(argv=None) -> None:
     p.add_argument("out_dir")
     p.add_argument("--arch", choices=ARCHS, default="qwen3_moe")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", choices=EXPERT_FORMATS, default="bf16",
+                   help="the experts' format; every other layer is BF16")
     a = p.parse_args(argv)
-    print(make_tiny_moe(a.out_dir, a.arch, a.seed))
+    print(make_tiny_moe(a.out_dir, a.arch, a.seed, experts=a.experts))
 
 
 if __name__ == "__main__":
