@@ -35,11 +35,18 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def generate(model: str, timeout: int = 600, env: dict | None = None, **engine_args) -> dict:
+def generate(model: str, timeout: int = 600, env: dict | None = None,
+             reload_weights_from: str | None = None, **engine_args) -> dict:
     """Greedy completions of PROMPTS in a child process: {"token_ids": [...], "logprobs": [...],
-    "text": [...], "log": stderr+stdout}; raises RuntimeError with the log when it fails."""
+    "text": [...], "log": stderr+stdout}; raises RuntimeError with the log when it fails.
+    reload_weights_from: generate once (returned under "before"), then swap in that checkpoint's
+    weights with vLLM's reload_weights (what RL frameworks do after a training step), reset the
+    prefix cache and return the completions of the updated model."""
     args = dict(ENGINE_ARGS, **engine_args)
-    proc = subprocess.run([sys.executable, __file__, "generate", model, json.dumps(args)],
+    script = [sys.executable, __file__, "generate", model, json.dumps(args)]
+    if reload_weights_from is not None:
+        script.append(reload_weights_from)
+    proc = subprocess.run(script,
                           capture_output=True, text=True, timeout=timeout, env=child_env(env))
     log = proc.stdout + proc.stderr
     marker = "RESULT_JSON:"
@@ -51,9 +58,21 @@ def generate(model: str, timeout: int = 600, env: dict | None = None, **engine_a
     return out
 
 
-def _generate_main(model: str, args_json: str) -> None:
-    from vllm import LLM, SamplingParams
+def _generate_main(model: str, args_json: str, reload_weights_from: str | None = None) -> None:
+    from vllm import LLM
     llm = LLM(model=model, **json.loads(args_json))
+    result = _completions(llm)
+    if reload_weights_from is not None:
+        before = result
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": reload_weights_from})
+        llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        result = _completions(llm)
+        result["before"] = before
+    print("RESULT_JSON:" + json.dumps(result), flush=True)
+
+
+def _completions(llm) -> dict:
+    from vllm import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     result = {"token_ids": [], "logprobs": [], "margins": [], "text": []}
@@ -63,7 +82,7 @@ def _generate_main(model: str, args_json: str) -> None:
         result["logprobs"].append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
         result["margins"].append([_margin([v.logprob for v in lp.values()]) for lp in c.logprobs])
         result["text"].append(c.text)
-    print("RESULT_JSON:" + json.dumps(result), flush=True)
+    return result
 
 
 def _margin(logprobs) -> float:
@@ -101,6 +120,32 @@ def compare_generations(got: dict, ref: dict, logprob_atol: float) -> int:
 
 
 # -- vllm serve -------------------------------------------------------------------------------
+def dequantized_twin(src: str, dst: str) -> str:
+    """Copy checkpoint `src` to `dst` with its FP8 block weights dequantized to BF16 and no
+    quantization_config: the same values, served by any backend. Returns dst."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_megamoe import quant
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        out[name] = t if scale is None else quant.dequantize_fp8_blocks(t, scale, (128, 128)).bfloat16()
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(dst, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return dst
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,6 +228,6 @@ def run_startup(args: list, env: dict | None = None, timeout: int = 300) -> subp
 
 if __name__ == "__main__":
     if sys.argv[1] == "generate":
-        _generate_main(sys.argv[2], sys.argv[3])
+        _generate_main(*sys.argv[2:])
     else:
         sys.exit(f"unknown command {sys.argv[1]!r}")
