@@ -36,7 +36,7 @@ from .buffer import SymmBuffer
 from .errors import MegaMoEError
 from .reference import swiglu
 from .shape import MoEShape, check_tensor, require
-from .weights import ExpertWeights
+from .weights import ExpertWeights, derived_cache
 
 MODES = ("auto", "exact", "padded")
 # Bits of the workspace error flag (shared with csrc/sm90/mega/config.cuh).
@@ -121,12 +121,11 @@ def _round_intermediate(act: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _dense_weights(weights: ExpertWeights, dtype: torch.dtype):
     """(w13, w2) in checkpoint layout as `dtype`, cached on the weights object."""
-    key = ("_portable_dense", dtype)
-    cache = weights.__dict__.setdefault("_portable_cache", {})
-    if key not in cache:
+    cache = derived_cache(weights, "portable_dense")
+    if dtype not in cache:
         w13, w2 = weights.dequantize()
-        cache[key] = (w13.to(dtype).contiguous(), w2.to(dtype).contiguous())
-    return cache[key]
+        cache[dtype] = (w13.to(dtype).contiguous(), w2.to(dtype).contiguous())
+    return cache[dtype]
 
 
 def _count(keys: torch.Tensor, n: int) -> torch.Tensor:

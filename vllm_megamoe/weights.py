@@ -8,8 +8,8 @@ Layouts:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
 
 import torch
 
@@ -121,3 +121,35 @@ def transform_weights_for_mega_moe(weights: ExpertWeights, arch: str = "sm90") -
     if weights.layout == "interleaved":
         return weights
     return replace(weights, w13=transforms.interleave_gate_up(weights.w13), layout="interleaved")
+
+
+def derived_cache(weights: Any, name: str) -> dict:
+    """A cache on `weights` of values computed from their contents (dense copies, converted
+    layouts); overwrite_weights_ drops it. Caches keyed on addresses (TMA descriptors) live
+    elsewhere: an in-place overwrite keeps them valid."""
+    return weights.__dict__.setdefault("_derived_caches", {}).setdefault(name, {})
+
+
+def overwrite_weights_(dst: Any, src: Any) -> None:
+    """Copy the tensors of `src` into those of `dst` in place: a weight update keeps every address
+    that parameters, CUDA graphs and TMA descriptors hold. Both are weight objects of one class
+    (ExpertWeights, sm100's Sm100Weights) with the same format, layout and shapes."""
+    require(type(dst) is type(src), f"cannot overwrite {type(dst).__name__} with {type(src).__name__}")
+    for f in fields(dst):
+        old, new = getattr(dst, f.name), getattr(src, f.name)
+        if not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor):
+            require(old == new, f"{f.name}: the update has {new!r}, the weights in use have {old!r}")
+            continue
+        require(isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
+                and old.shape == new.shape and old.dtype == new.dtype,
+                f"{f.name}: the update is {_describe(new)}, the weights in use are {_describe(old)}; "
+                "a weight update must keep every shape and dtype")
+    for f in fields(dst):
+        old, new = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(old, torch.Tensor) and old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+    dst.__dict__.pop("_derived_caches", None)
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
