@@ -199,6 +199,79 @@ def test_offline_converted_weights_are_recognised(gen, fresh_worker):
                                               "layout_version": 99})
 
 
+def _matches(kernel, layer, weights, fmt, gen):
+    x, idx, tw = routing(21, gen)
+    ref = reference.moe_forward(x, idx, tw, *weights.dequantize(),
+                                emulate="fp8" if fmt == "fp8-block" else "bf16")
+    return reference.relative_error(run(kernel, layer, x, idx, tw), ref) < BOUND[fmt]
+
+
+def _addresses(experts):
+    w = experts._weights
+    return [t.data_ptr() for t in (w.w13, w.w2, w.w13_scale, w.w2_scale) if t is not None]
+
+
+@pytest.mark.parametrize("how", ["new_parameters", "in_place"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_weight_update_refills_the_kernel_tensors(fmt, how, gen, fresh_worker):
+    """A weight update hands update_weights the layer with new checkpoint weights: in new
+    parameters (vLLM's layerwise reload) or written into the old storage (0.34's direct
+    reload, where the kernel's own tensors are the source). The layer then computes with the new
+    weights, through tensors at the old addresses (CUDA graphs hold them)."""
+    kernel, layer, _ = make_kernel(fmt, gen)
+    experts = kernel.fused_experts
+    before = _addresses(experts)
+    x, idx, tw = routing(5, gen)
+    run(kernel, layer, x, idx, tw)  # fills the portable path's dense-weight cache
+    new, quant = make_weights(fmt, gen)
+    if how == "new_parameters":
+        layer.w13_weight = torch.nn.Parameter(new.w13.clone(), requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(new.w2.clone(), requires_grad=False)
+    else:
+        layer.w13_weight.data.copy_(new.w13)
+        layer.w2_weight.data.copy_(new.w2)
+    experts.update_weights(layer, quant)
+    assert _matches(kernel, layer, new, fmt, gen)
+    assert _addresses(experts) == before
+    assert layer.w13_weight.data_ptr() == experts._weights.w13.data_ptr()
+
+
+def test_weight_update_through_the_quant_method(gen, fresh_worker):
+    """follow_weight_updates: a later run of the method's process_weights_after_loading (how
+    vLLM ends every checkpoint-format update) refills the experts. Like vLLM's FP8 method, this
+    one builds a new kernel with the update's scales; megamoe's kernel stays in place."""
+    from types import SimpleNamespace
+
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    kernel, layer, _ = make_kernel("fp8-block", gen)
+    new, quant = make_weights("fp8-block", gen)
+
+    def rebuild(updated_layer):
+        method.moe_kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(),
+                                              MegaMoEExperts(moe_config(), quant))
+        method.moe_quant_config = quant
+
+    method = SimpleNamespace(moe_kernel=kernel, moe_quant_config=None,
+                             process_weights_after_loading=rebuild)
+    kernel.fused_experts.follow_weight_updates(layer, method)
+    kernel.fused_experts.follow_weight_updates(layer, method)  # once only
+    layer.w13_weight = torch.nn.Parameter(new.w13.clone(), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(new.w2.clone(), requires_grad=False)
+    method.process_weights_after_loading(layer)
+    assert method.moe_kernel is kernel and method.moe_quant_config is None
+    assert _matches(kernel, layer, new, "fp8-block", gen)
+
+
+def test_weight_update_of_another_shape_is_refused(gen, fresh_worker):
+    kernel, layer, _ = make_kernel("bf16", gen)
+    wider, quant = make_weights("bf16", gen, inter=2 * I)
+    layer.w13_weight = torch.nn.Parameter(wider.w13, requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(wider.w2, requires_grad=False)
+    with pytest.raises(ValueError, match="intermediate=256; the layer serves 8 of hidden=256, "
+                                         "intermediate=128"):
+        kernel.fused_experts.update_weights(layer, quant)
+
+
 def test_oracles_are_intercepted():
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as uq_method
     from vllm.model_executor.layers.fused_moe.oracle import fp8, nvfp4, unquantized

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 
 from .. import ops
 from ..shape import CHANNEL_ALIGN, MoEShape
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, overwrite_weights_
 from . import runtime
 
 BACKEND = "megamoe"
@@ -136,6 +136,7 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         self._tp_group = None
         self._sm100_op = None
         self._shape = None
+        self._format = self._layout = None
         self.layer_name = "?"
 
     # -- capabilities (the oracle's checks) -----------------------------------------------
@@ -217,34 +218,26 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
             raise ValueError(f"{self.layer_name}: FP8 block shape {self.quant_config.block_shape}"
                              f"; --moe-backend {BACKEND} needs 128x128 weight blocks")
         marker = runtime.STATE.checkpoint_marker
-        layout = "checkpoint"
+        self._layout = "checkpoint"
         if marker is not None:
             if marker["format"] != fmt:
                 raise ValueError(
                     f"config.json says the checkpoint was converted to megamoe format "
                     f"{marker['format']!r} but vLLM loaded {fmt!r} MoE weights; check the "
                     "quantization_config of the converted checkpoint")
-            layout = marker["layout"]
-        weights = ExpertWeights(
-            fmt, layer.w13_weight.data, layer.w2_weight.data,
-            self.quant_config.w1_scale if fmt != "bf16" else None,
-            self.quant_config.w2_scale if fmt != "bf16" else None, layout=layout)
+            self._layout = marker["layout"]
+        self._format = fmt
+        weights = self._loaded_weights(layer, self.quant_config)
         ep_size = par.ep_size if par.use_ep else 1
         shape = MoEShape(weights.hidden, weights.intermediate, weights.num_experts * ep_size,
                          moe.experts_per_token).validate(ep_size)
         device = weights.w13.device
         self._path, _ = runtime.choose_path(shape, fmt, device, ep_size)
-        if self._path == "sm100":
-            # DeepGEMM's Blackwell kernel: MXFP4 (FP8 checkpoints) or BF16, its own layout.
-            from ..sm100.weights import convert_experts
-            weights = convert_experts(weights.w13, weights.w2, w13_scale_inv=weights.w13_scale,
-                                      w2_scale_inv=weights.w2_scale)
-        else:
-            weights = ops.prepare_weights(weights, self._path)
         if self._path == "sm100" and getattr(par, "enable_eplb", False):
             raise ValueError(f"{self.layer_name}: --enable-eplb with megamoe's SM100 path: EPLB "
                              "would move the experts' weights but not their MXFP4 scales, which "
                              "the kernel keeps apart; remove --enable-eplb")
+        weights = self._kernel_weights(weights)
         for name, tensor in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
             _point_parameter_at(getattr(layer, name), tensor)
         self._weights = weights
@@ -263,6 +256,70 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         runtime.register_layer(runtime.LayerInfo(
             self.layer_name, shape, layer_format, device, group, par.ep_rank if group else 0, ep_size))
         self._shape = shape
+
+    def _loaded_weights(self, layer: torch.nn.Module, quant_config: FusedMoEQuantConfig) -> ExpertWeights:
+        """The weights vLLM's loaders wrote into the layer (checkpoint or converted layout)."""
+        from vllm.model_executor import utils as vllm_utils
+        if getattr(vllm_utils, "is_weights_pre_processed", lambda: False)():
+            raise ValueError(f"{self.layer_name}: the weights arrive pre-processed (vLLM's weight "
+                             f"cache IPC loader); --moe-backend {BACKEND} converts the "
+                             "checkpoint's weights itself and cannot take another process's")
+        scaled = self._format != "bf16"
+        return ExpertWeights(self._format, layer.w13_weight.data, layer.w2_weight.data,
+                             quant_config.w1_scale if scaled else None,
+                             quant_config.w2_scale if scaled else None, layout=self._layout)
+
+    def _kernel_weights(self, weights: ExpertWeights):
+        """`weights` in the layout the chosen path reads."""
+        if self._path == "sm100":
+            # DeepGEMM's Blackwell kernel: MXFP4 (FP8 checkpoints) or BF16, its own layout.
+            from ..sm100.weights import convert_experts
+            return convert_experts(weights.w13, weights.w2, w13_scale_inv=weights.w13_scale,
+                                   w2_scale_inv=weights.w2_scale)
+        return ops.prepare_weights(weights, self._path)
+
+    # -- weight updates (reload_weights, RL weight sync) ----------------------------------
+    def follow_weight_updates(self, layer: torch.nn.Module, method) -> None:
+        """Make every later run of the layer's quantization method's process_weights_after_loading,
+        which is how vLLM finishes a checkpoint-format weight update (layerwise reload, 0.34's
+        direct reload, the weight-transfer engines), end in update_weights. vLLM's method would
+        otherwise leave checkpoint-layout bytes in the kernel's tensors (BF16) or build a new,
+        unprepared MegaMoEExperts (FP8)."""
+        if getattr(method, "_megamoe_follows", None) is self:
+            return
+        first_run = method.process_weights_after_loading
+        experts = self
+
+        def process_weights_after_loading(updated_layer: torch.nn.Module) -> None:
+            kernel, quant = method.moe_kernel, method.moe_quant_config
+            first_run(updated_layer)
+            # FP8 builds a new kernel whose quant config holds the update's scales; BF16 keeps it.
+            rebuilt = getattr(method.moe_kernel, "fused_experts", experts)
+            experts.update_weights(updated_layer, rebuilt.quant_config)
+            method.moe_kernel, method.moe_quant_config = kernel, quant
+
+        method.process_weights_after_loading = process_weights_after_loading
+        method._megamoe_follows = self
+
+    @torch.no_grad()
+    def update_weights(self, layer: torch.nn.Module, quant_config: FusedMoEQuantConfig) -> None:
+        """New weights in the layer's parameters, in the layout the checkpoint has: convert them
+        and overwrite the tensors the kernel reads in place (CUDA graphs keep their addresses),
+        then point the parameters back at those tensors."""
+        if self._weights is None:
+            raise RuntimeError(f"{self.layer_name}: a weight update reached megamoe before the "
+                               "first load was processed")
+        loaded = self._loaded_weights(layer, quant_config)
+        if (loaded.num_experts, loaded.hidden, loaded.intermediate) != (
+                self._weights.num_experts, self._weights.hidden, self._weights.intermediate):
+            raise ValueError(
+                f"{self.layer_name}: the weight update holds {loaded.num_experts} experts of "
+                f"hidden={loaded.hidden}, intermediate={loaded.intermediate}; the layer serves "
+                f"{self._weights.num_experts} of hidden={self._weights.hidden}, "
+                f"intermediate={self._weights.intermediate}")
+        overwrite_weights_(self._weights, self._kernel_weights(loaded))
+        for name, tensor in (("w13_weight", self._weights.w13), ("w2_weight", self._weights.w2)):
+            _point_parameter_at(getattr(layer, name), tensor)
 
     def bind_buffer(self) -> None:
         """After the worker's buffers exist (finish_model): the SM100 path's per-layer op."""

@@ -339,6 +339,7 @@ def finish_model(model) -> int:
                 "quantization method megamoe does not run (it runs unquantized BF16 and FP8 "
                 "128x128-block checkpoints). Leave --moe-backend unset for this checkpoint.")
         experts.process_weights_after_loading(module)
+        experts.follow_weight_updates(module, method)
         bound.append(experts)
         count += 1
     if count:
