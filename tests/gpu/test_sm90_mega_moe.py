@@ -243,6 +243,43 @@ def test_phase_clock_orders_the_phases_on_one_gpu():
 
 
 @requires_sm90
+@pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
+def test_weight_update_under_cuda_graph_one_gpu(fmt):
+    """An RL weight update as the plugin makes it: new weights converted to the kernel layout and
+    copied over the old ones in place (overwrite_weights_). A CUDA graph captured before the
+    update then computes with the new weights: the kernel keeps no copy of them, and its TMA
+    descriptors (cached per weights object, by address) stay valid."""
+    from mega_cases import global_weights, inputs
+    from vllm_megamoe import SymmBuffer, reference
+    from vllm_megamoe.kernels import sm90_mega_moe
+    from vllm_megamoe.weights import overwrite_weights_, transform_weights_for_mega_moe
+    shape = SHAPES["small-odd"]
+    dev = torch.device("cuda", 0)
+    emulate = "fp8" if fmt == "fp8-block" else "bf16"
+    served = transform_weights_for_mega_moe(global_weights(shape, fmt, dev, seed=0))
+    buf = SymmBuffer(shape, 64, None, format=fmt, device=dev)
+    static = [t.clone() for t in inputs(shape, [64], "uniform", 31, dev)[0]]
+    y = torch.empty(64, shape.hidden, dtype=torch.bfloat16, device=dev)
+    sm90_mega_moe.mega_moe(*static, served, buf, y=y)  # compile and warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sm90_mega_moe.mega_moe(*static, served, buf, y=y)
+    errs = []
+    for seed in (0, 1, 2):  # seed 0 before the update, then two updates
+        update = global_weights(shape, fmt, dev, seed=seed)
+        if seed:
+            overwrite_weights_(served, transform_weights_for_mega_moe(update))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        errs.append(reference.relative_error(
+            y, reference.moe_forward(*static, *update.dequantize(), emulate=emulate)))
+    buf.destroy()
+    assert max(errs) <= EMULATED_BOUND[fmt], errs
+
+
+@requires_sm90
 @pytest.mark.parametrize("tokens", [37, 200])
 def test_topk_ids_int32_and_int64_one_gpu(tokens):
     """int64 ids (torch.topk's dtype) are read as they come, without a conversion kernel: the
