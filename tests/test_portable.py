@@ -305,3 +305,24 @@ def test_an_unknown_megamoe_variable_stops_every_rank():
 def test_from_float_refuses_integer_weights():
     with pytest.raises(ValueError, match="w13 has dtype torch.int64"):
         ExpertWeights.from_float(torch.ones(8, 256, 256, dtype=torch.int64), torch.ones(8, 256, 128), "bf16")
+
+
+def test_dense_weights_copy_only_what_needs_converting():
+    """The grouped (CUDA) path reads BF16 checkpoint-layout weights in place instead of keeping
+    a second copy of every expert; FP8 or interleaved weights get one dense copy, cached until a
+    weight update overwrites them (overwrite_weights_)."""
+    from vllm_megamoe.weights import overwrite_weights_, transform_weights_for_mega_moe
+    gen = torch.Generator().manual_seed(7)
+    w13, w2 = torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen)
+    bf16 = ExpertWeights.from_float(w13, w2, "bf16")
+    dense13, dense2 = portable._dense_weights(bf16, torch.bfloat16)
+    assert dense13.data_ptr() == bf16.w13.data_ptr() and dense2.data_ptr() == bf16.w2.data_ptr()
+    for weights in (ExpertWeights.from_float(w13, w2, "fp8-block"), transform_weights_for_mega_moe(bf16)):
+        first = portable._dense_weights(weights, torch.bfloat16)
+        assert torch.equal(first[0].float(), weights.dequantize()[0].bfloat16().float())
+        assert portable._dense_weights(weights, torch.bfloat16)[0] is first[0]  # cached
+        update = replace(weights, w13=weights.w13.flip(0).contiguous())
+        overwrite_weights_(weights, update)
+        again = portable._dense_weights(weights, torch.bfloat16)[0]
+        assert torch.equal(again.float(), weights.dequantize()[0].bfloat16().float())
+        assert not torch.equal(again, first[0])

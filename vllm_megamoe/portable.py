@@ -120,7 +120,10 @@ def _round_intermediate(act: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _dense_weights(weights: ExpertWeights, dtype: torch.dtype):
-    """(w13, w2) in checkpoint layout as `dtype`, cached on the weights object."""
+    """(w13, w2) in checkpoint layout as `dtype`, cached on the weights object; BF16 weights in
+    checkpoint layout are themselves, not a second copy of every expert on the device."""
+    if (weights.format, weights.layout, dtype) == ("bf16", "checkpoint", torch.bfloat16):
+        return weights.w13.contiguous(), weights.w2.contiguous()
     cache = derived_cache(weights, "portable_dense")
     if dtype not in cache:
         w13, w2 = weights.dequantize()
