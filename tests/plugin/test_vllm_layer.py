@@ -29,7 +29,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa:
 
 import vllm_megamoe.plugin as plugin  # noqa: E402
 from vllm_megamoe import reference, transforms  # noqa: E402
-from vllm_megamoe.weights import ExpertWeights  # noqa: E402
+from vllm_megamoe.weights import ExpertWeights, transform_weights_for_mega_moe  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -260,6 +260,101 @@ def test_weight_update_through_the_quant_method(gen, fresh_worker):
     method.process_weights_after_loading(layer)
     assert method.moe_kernel is kernel and method.moe_quant_config is None
     assert _matches(kernel, layer, new, "fp8-block", gen)
+
+
+def _copy_loader(param, loaded_weight):
+    param.data.copy_(loaded_weight)
+
+
+class MethodLayer(torch.nn.Module):
+    """A MoE layer as vLLM's RoutedExperts sets it up: vLLM's own quantization method (unquantized,
+    or FP8 with 128x128 blocks) creates the parameters and runs process_weights_after_loading."""
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.layer_name = "model.layers.0.mlp.experts"
+        self.expert_placement_strategy = "linear"
+        self.apply_router_weight_on_input = False
+        self.moe_config = moe_config()
+        if fmt == "bf16":
+            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+                UnquantizedFusedMoEMethod,
+            )
+            self.quant_method = UnquantizedFusedMoEMethod(self.moe_config)
+        else:
+            from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+            self.quant_method = Fp8MoEMethod(Fp8Config(weight_block_size=[128, 128]), self)
+        self.quant_method.create_weights(self, num_experts=E, hidden_size=H,
+                                         intermediate_size_per_partition=I,
+                                         params_dtype=torch.bfloat16, weight_loader=_copy_loader)
+
+    def _expert_routing_tables(self):
+        return None
+
+    def load(self, weights: ExpertWeights) -> None:
+        """What the model's load_weights does: each checkpoint tensor through its loader."""
+        tensors = {"w13_weight": weights.w13, "w2_weight": weights.w2,
+                   "w13_weight_scale_inv": weights.w13_scale, "w2_weight_scale_inv": weights.w2_scale}
+        for name, tensor in tensors.items():
+            if tensor is not None:
+                param = getattr(self, name)
+                param.weight_loader(param, tensor)
+
+
+@pytest.mark.parametrize("kernel_layout", ["checkpoint", "interleaved"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("mode", ["layerwise", "direct"])
+def test_vllm_reload_through_its_moe_methods(mode, fmt, kernel_layout, gen, fresh_worker,
+                                             monkeypatch):
+    """vLLM's reload machinery on a layer with vLLM's own MoE methods: cold start (loaders, then
+    vLLM's model-level process_weights_after_loading with the plugin's hook), a weight update in
+    the layerwise mode (0.32+: new parameters, copied back into the old storage) or the direct
+    mode (0.34: checkpoint bytes written over the kernel's tensors, then post-processing again).
+    kernel_layout "interleaved" stands in for the GPU kernels' layout (the CPU path reads it
+    too), so the update must be converted, not just copied."""
+    import types
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import utils as loader_utils
+    if kernel_layout == "interleaved":
+        from vllm_megamoe.plugin import experts as experts_module
+        monkeypatch.setattr(experts_module.ops, "prepare_weights",
+                            lambda weights, path: transform_weights_for_mega_moe(weights))
+    if mode == "direct":
+        direct = pytest.importorskip("vllm.model_executor.model_loader.reload.direct",
+                                     reason="direct reload is new in vLLM 0.34")
+        monkeypatch.setenv("VLLM_RELOAD_MODE", "direct")
+        begin, finish = direct.begin_direct_reload, direct.finish_direct_reload
+        record = direct.record_checkpoint_layout
+    else:
+        from vllm.model_executor.model_loader.reload import layerwise
+        record = layerwise.record_metadata_for_reloading
+        begin = layerwise.initialize_layerwise_reload
+        finish = lambda model, config, device: layerwise.finalize_layerwise_reload(model, config)  # noqa: E731
+    config = types.SimpleNamespace(word_embeddings_untied_by_checkpoint=False,
+                                   dtype=torch.bfloat16, quantization=None)
+    cpu = torch.device("cpu")
+    import vllm.distributed
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)
+    with set_current_vllm_config(VllmConfig()):
+        model = torch.nn.Module()
+        model.experts = layer = MethodLayer(fmt)
+        old, _ = make_weights(fmt, gen)
+        new, _ = make_weights(fmt, gen)
+        layer.load(old)
+        record(model)
+        loader_utils.process_weights_after_loading(model, config, cpu)  # the plugin's hook runs
+        kernel = layer.quant_method.moe_kernel
+        experts = kernel.fused_experts
+        assert experts._weights.layout == kernel_layout
+        addresses = _addresses(experts)
+        assert _matches(kernel, layer, old, fmt, gen)
+        begin(model)
+        layer.load(new)
+        finish(model, config, cpu)
+    assert layer.quant_method.moe_kernel is kernel
+    assert _addresses(experts) == addresses
+    assert _matches(kernel, layer, new, fmt, gen)
 
 
 def test_weight_update_of_another_shape_is_refused(gen, fresh_worker):
