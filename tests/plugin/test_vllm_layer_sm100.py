@@ -97,3 +97,35 @@ def test_sm100_path_refuses_eplb(sm100_worker, gen):
                              quant)
     with pytest.raises(ValueError, match="remove --enable-eplb"):
         experts.process_weights_after_loading(FakeLayer(weights))
+
+
+def test_sm100_weight_update_refills_in_place(sm100_worker, gen):
+    """A weight update (layerwise reload: new checkpoint parameters) converts to MXFP4 again and
+    overwrites the tensors the per-layer op was built with; the next call computes with the new
+    experts."""
+    runtime, fake = sm100_worker
+    from vllm_megamoe.plugin.experts import MegaMoEExperts
+    weights, quant = make_weights("fp8-block", gen, hidden=H, inter=I)
+    layer = FakeLayer(weights)
+    experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I), quant)
+    kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), experts)
+    experts.process_weights_after_loading(layer)
+    runtime.ensure_buffer()
+    experts.bind_buffer()
+    held = experts._weights
+    tensors = [held.w13, held.w2, held.w13_sf, held.w2_sf]
+    addresses = [t.data_ptr() for t in tensors]
+    x, idx, tw = routing(13, gen)
+    x = torch.randn(13, H, generator=gen).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(13, E, generator=gen), dim=1)[:, :K].to(torch.int32)
+    before = run(kernel, layer, x, idx, tw)
+    new, new_quant = make_weights("fp8-block", gen, hidden=H, inter=I)
+    layer.w13_weight = torch.nn.Parameter(new.w13, requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(new.w2, requires_grad=False)
+    experts.update_weights(layer, new_quant)
+    assert experts._weights is held and [t.data_ptr() for t in tensors] == addresses
+    assert layer.w13_weight.data_ptr() == held.w13.data_ptr()
+    y = run(kernel, layer, x, idx, tw)
+    assert reference.relative_error(y, reference.moe_forward(x, idx, tw, *held.dequantize())) < 6e-2
+    assert reference.relative_error(y, reference.moe_forward(x, idx, tw, *new.dequantize())) < 0.25
+    assert reference.relative_error(y, before) > 0.5  # a different model: not the old experts
