@@ -309,8 +309,8 @@ def test_from_float_refuses_integer_weights():
 
 def test_dense_weights_copy_only_what_needs_converting():
     """The grouped (CUDA) path reads BF16 checkpoint-layout weights in place instead of keeping
-    a second copy of every expert; FP8 or interleaved weights get one dense copy, cached until a
-    weight update overwrites them (overwrite_weights_)."""
+    a second copy of every expert; FP8 or interleaved weights get one dense copy, which a weight
+    update (overwrite_weights_) refills in place: a CUDA graph may hold its address."""
     from vllm_megamoe.weights import overwrite_weights_, transform_weights_for_mega_moe
     gen = torch.Generator().manual_seed(7)
     w13, w2 = torch.randn(4, 256, 128, generator=gen), torch.randn(4, 128, 128, generator=gen)
@@ -321,8 +321,25 @@ def test_dense_weights_copy_only_what_needs_converting():
         first = portable._dense_weights(weights, torch.bfloat16)
         assert torch.equal(first[0].float(), weights.dequantize()[0].bfloat16().float())
         assert portable._dense_weights(weights, torch.bfloat16)[0] is first[0]  # cached
+        stale = first[0].clone()
         update = replace(weights, w13=weights.w13.flip(0).contiguous())
         overwrite_weights_(weights, update)
         again = portable._dense_weights(weights, torch.bfloat16)[0]
+        assert again is first[0]  # the same tensor, refilled
         assert torch.equal(again.float(), weights.dequantize()[0].bfloat16().float())
-        assert not torch.equal(again, first[0])
+        assert not torch.equal(again, stale)
+
+
+def test_overwrite_refills_what_a_forward_pass_derived():
+    """A dense copy first made in a forward pass under torch.inference_mode (as vLLM runs the
+    model) is an inference tensor; a weight update outside that mode still refills it."""
+    from vllm_megamoe.weights import overwrite_weights_
+    gen = torch.Generator().manual_seed(8)
+    weights = ExpertWeights.from_float(torch.randn(2, 256, 128, generator=gen),
+                                       torch.randn(2, 128, 128, generator=gen), "fp8-block")
+    with torch.inference_mode():
+        dense = portable._dense_weights(weights, torch.float32)[1]
+    assert dense.is_inference()
+    update = replace(weights, w2=weights.w2.flip(0).contiguous(), w2_scale=weights.w2_scale.flip(0).contiguous())
+    overwrite_weights_(weights, update)
+    assert torch.equal(dense, update.dequantize()[1])

@@ -36,7 +36,7 @@ from .buffer import SymmBuffer
 from .errors import MegaMoEError
 from .reference import swiglu
 from .shape import MoEShape, check_tensor, require
-from .weights import ExpertWeights, derived_cache
+from .weights import ExpertWeights, derived
 
 MODES = ("auto", "exact", "padded")
 # Bits of the workspace error flag (shared with csrc/sm90/mega/config.cuh).
@@ -124,11 +124,11 @@ def _dense_weights(weights: ExpertWeights, dtype: torch.dtype):
     checkpoint layout are themselves, not a second copy of every expert on the device."""
     if (weights.format, weights.layout, dtype) == ("bf16", "checkpoint", torch.bfloat16):
         return weights.w13.contiguous(), weights.w2.contiguous()
-    cache = derived_cache(weights, "portable_dense")
-    if dtype not in cache:
+
+    def dense():
         w13, w2 = weights.dequantize()
-        cache[dtype] = (w13.to(dtype).contiguous(), w2.to(dtype).contiguous())
-    return cache[dtype]
+        return w13.to(dtype).contiguous(), w2.to(dtype).contiguous()
+    return derived(weights, f"portable_dense_{dtype}", dense)
 
 
 def _count(keys: torch.Tensor, n: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ Layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -123,17 +123,21 @@ def transform_weights_for_mega_moe(weights: ExpertWeights, arch: str = "sm90") -
     return replace(weights, w13=transforms.interleave_gate_up(weights.w13), layout="interleaved")
 
 
-def derived_cache(weights: Any, name: str) -> dict:
-    """A cache on `weights` of values computed from their contents (dense copies, converted
-    layouts); overwrite_weights_ drops it. Caches keyed on addresses (TMA descriptors) live
-    elsewhere: an in-place overwrite keeps them valid."""
-    return weights.__dict__.setdefault("_derived_caches", {}).setdefault(name, {})
+def derived(weights: Any, name: str, compute: Callable[[], Any]) -> Any:
+    """`compute()`, a value computed from the contents of `weights` (a dense copy, another layout),
+    cached on `weights` under `name`. overwrite_weights_ refills it in place, so addresses a CUDA
+    graph or a TMA descriptor took from it stay valid."""
+    cache = weights.__dict__.setdefault("_derived", {})
+    if name not in cache:
+        cache[name] = (compute, compute())
+    return cache[name][1]
 
 
 def overwrite_weights_(dst: Any, src: Any) -> None:
-    """Copy the tensors of `src` into those of `dst` in place: a weight update keeps every address
-    that parameters, CUDA graphs and TMA descriptors hold. Both are weight objects of one class
-    (ExpertWeights, sm100's Sm100Weights) with the same format, layout and shapes."""
+    """Copy the tensors of `src` into those of `dst` in place, then refill what was derived from
+    them (`derived`) in place: a weight update keeps every address that parameters, CUDA graphs
+    and TMA descriptors hold. Both are weight objects of one class (ExpertWeights, sm100's
+    Sm100Weights) with the same format, layout and shapes."""
     require(type(dst) is type(src), f"cannot overwrite {type(dst).__name__} with {type(src).__name__}")
     for f in fields(dst):
         old, new = getattr(dst, f.name), getattr(src, f.name)
@@ -147,8 +151,25 @@ def overwrite_weights_(dst: Any, src: Any) -> None:
     for f in fields(dst):
         old, new = getattr(dst, f.name), getattr(src, f.name)
         if isinstance(old, torch.Tensor) and old.data_ptr() != new.data_ptr():
-            old.copy_(new)
-    dst.__dict__.pop("_derived_caches", None)
+            _copy_into(old, new)
+    for compute, value in dst.__dict__.get("_derived", {}).values():
+        _refill(value, compute())
+
+
+def _copy_into(old: torch.Tensor, new: torch.Tensor) -> None:
+    # A value first computed in a forward pass is an inference tensor: writable only in that mode.
+    with torch.inference_mode(old.is_inference()):
+        old.copy_(new)
+
+
+def _refill(old: Any, new: Any) -> None:
+    if isinstance(old, torch.Tensor):
+        _copy_into(old, new)
+    elif isinstance(old, (tuple, list)):
+        for o, n in zip(old, new, strict=True):
+            _refill(o, n)
+    else:
+        overwrite_weights_(old, new)
 
 
 def _describe(t) -> str:

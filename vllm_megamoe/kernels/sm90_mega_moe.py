@@ -18,7 +18,7 @@ from ..buffer import SymmBuffer
 from ..env_flags import env_flag
 from ..layout import NVL_ARRIVED_RANKS
 from ..shape import MoEShape, check_tensor, require
-from ..weights import ExpertWeights, derived_cache, transform_weights_for_mega_moe
+from ..weights import ExpertWeights, derived, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
 from .phase_clock import TRACE_TASK as DEFAULT_TRACE_TASK
 from .sm90_smem import (SMEM_PER_BLOCK, TILE_ROWS, epilogue_tables_in_mainloop, has_epilogue_warpgroup,
@@ -301,10 +301,7 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
     """Kernel-layout weights (gate/up interleaved), cached on the weights object."""
     if weights.layout == "interleaved":
         return weights
-    cache = derived_cache(weights, "sm90_layout")
-    if "weights" not in cache:
-        cache["weights"] = transform_weights_for_mega_moe(weights, "sm90")
-    return cache["weights"]
+    return derived(weights, "sm90_layout", lambda: transform_weights_for_mega_moe(weights, "sm90"))
 
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
