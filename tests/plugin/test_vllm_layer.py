@@ -246,7 +246,10 @@ def test_weight_update_through_the_quant_method(gen, fresh_worker):
     kernel, layer, _ = make_kernel("fp8-block", gen)
     new, quant = make_weights("fp8-block", gen)
 
+    runs = []
+
     def rebuild(updated_layer):
+        runs.append(updated_layer)
         method.moe_kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(),
                                               MegaMoEExperts(moe_config(), quant))
         method.moe_quant_config = quant
@@ -254,12 +257,20 @@ def test_weight_update_through_the_quant_method(gen, fresh_worker):
     method = SimpleNamespace(moe_kernel=kernel, moe_quant_config=None,
                              process_weights_after_loading=rebuild)
     kernel.fused_experts.follow_weight_updates(layer, method)
-    kernel.fused_experts.follow_weight_updates(layer, method)  # once only
+    kernel.fused_experts.follow_weight_updates(layer, method)  # wraps once
     layer.w13_weight = torch.nn.Parameter(new.w13.clone(), requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(new.w2.clone(), requires_grad=False)
     method.process_weights_after_loading(layer)
+    assert len(runs) == 1
     assert method.moe_kernel is kernel and method.moe_quant_config is None
     assert _matches(kernel, layer, new, "fp8-block", gen)
+    # A failed update leaves megamoe's kernel in place, not vLLM's unprepared one.
+    wider, _ = make_weights("fp8-block", gen, inter=2 * I)
+    layer.w13_weight = torch.nn.Parameter(wider.w13, requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(wider.w2, requires_grad=False)
+    with pytest.raises(ValueError, match="shape"):
+        method.process_weights_after_loading(layer)
+    assert method.moe_kernel is kernel and method.moe_quant_config is None
 
 
 def _copy_loader(param, loaded_weight):
@@ -301,17 +312,19 @@ class MethodLayer(torch.nn.Module):
                 param.weight_loader(param, tensor)
 
 
+@pytest.mark.parametrize("sent", [True, False], ids=["sent", "not_sent"])
 @pytest.mark.parametrize("kernel_layout", ["checkpoint", "interleaved"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
 @pytest.mark.parametrize("mode", ["layerwise", "direct"])
-def test_vllm_reload_through_its_moe_methods(mode, fmt, kernel_layout, gen, fresh_worker,
+def test_vllm_reload_through_its_moe_methods(mode, fmt, kernel_layout, sent, gen, fresh_worker,
                                              monkeypatch):
     """vLLM's reload machinery on a layer with vLLM's own MoE methods: cold start (loaders, then
     vLLM's model-level process_weights_after_loading with the plugin's hook), a weight update in
     the layerwise mode (0.32+: new parameters, copied back into the old storage) or the direct
     mode (0.34: checkpoint bytes written over the kernel's tensors, then post-processing again).
     kernel_layout "interleaved" stands in for the GPU kernels' layout (the CPU path reads it
-    too), so the update must be converted, not just copied."""
+    too), so the update must be converted, not just copied. An update that does not send this
+    layer's experts leaves them as they were (the direct mode post-processes every layer)."""
     import types
 
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -350,11 +363,24 @@ def test_vllm_reload_through_its_moe_methods(mode, fmt, kernel_layout, gen, fres
         addresses = _addresses(experts)
         assert _matches(kernel, layer, old, fmt, gen)
         begin(model)
-        layer.load(new)
+        if sent:
+            layer.load(new)
         finish(model, config, cpu)
     assert layer.quant_method.moe_kernel is kernel
     assert _addresses(experts) == addresses
-    assert _matches(kernel, layer, new, fmt, gen)
+    assert _matches(kernel, layer, new if sent else old, fmt, gen)
+
+
+def test_weight_update_of_an_offline_converted_checkpoint_is_refused(gen, fresh_worker):
+    """Updates arrive in the original checkpoint's layout, not in the converted one's."""
+    fresh_worker.STATE.checkpoint_marker = fresh_worker.parse_checkpoint_marker(
+        {"format": "bf16", "arch": "sm90", "layout_version": 1})
+    kernel, layer, _ = make_kernel("bf16", gen, layout="interleaved")
+    new, quant = make_weights("bf16", gen)
+    layer.w13_weight = torch.nn.Parameter(new.w13, requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(new.w2, requires_grad=False)
+    with pytest.raises(ValueError, match="Serve the original checkpoint"):
+        kernel.fused_experts.update_weights(layer, quant)
 
 
 def test_weight_update_of_another_shape_is_refused(gen, fresh_worker):

@@ -7,6 +7,8 @@ Template: vllm/model_executor/layers/fused_moe/experts/flashinfer_moe_ep.py.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -137,6 +139,7 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         self._sm100_op = None
         self._shape = None
         self._format = self._layout = None
+        self._written = False  # a loader wrote into the layer's parameters (_note_writes)
         self.layer_name = "?"
 
     # -- capabilities (the oracle's checks) -----------------------------------------------
@@ -287,19 +290,47 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         unprepared MegaMoEExperts (FP8)."""
         if getattr(method, "_megamoe_follows", None) is self:
             return
+        self._note_writes(layer)
         first_run = method.process_weights_after_loading
         experts = self
 
         def process_weights_after_loading(updated_layer: torch.nn.Module) -> None:
             kernel, quant = method.moe_kernel, method.moe_quant_config
-            first_run(updated_layer)
-            # FP8 builds a new kernel whose quant config holds the update's scales; BF16 keeps it.
-            rebuilt = getattr(method.moe_kernel, "fused_experts", experts)
-            experts.update_weights(updated_layer, rebuilt.quant_config)
-            method.moe_kernel, method.moe_quant_config = kernel, quant
+            try:
+                first_run(updated_layer)
+                if experts._received_weights(updated_layer):
+                    # FP8 builds a new kernel whose quant config holds the update's scales.
+                    rebuilt = getattr(method.moe_kernel, "fused_experts", experts)
+                    experts.update_weights(updated_layer, rebuilt.quant_config)
+            finally:  # megamoe's kernel and tensors stay the layer's, whatever happened
+                method.moe_kernel, method.moe_quant_config = kernel, quant
 
         method.process_weights_after_loading = process_weights_after_loading
         method._megamoe_follows = self
+
+    def _note_writes(self, layer: torch.nn.Module) -> None:
+        """Have the loaders of the layer's parameters say when they write (0.34's direct reload
+        writes into these same parameters, then post-processes every layer, sent or not)."""
+        self._written = False
+        for param in layer.parameters(recurse=False):
+            loader = getattr(param, "weight_loader", None)
+            if loader is None or getattr(loader, "_megamoe_notes", False):
+                continue
+
+            @functools.wraps(loader)  # vLLM's reload binds the loader's arguments by name
+            def noting_loader(*args, _loader=loader, **kwargs):
+                self._written = True
+                return _loader(*args, **kwargs)
+            noting_loader._megamoe_notes = True
+            param.weight_loader = noting_loader
+
+    def _received_weights(self, layer: torch.nn.Module) -> bool:
+        """Whether this post-processing run follows new weights: parameters other than the
+        kernel's tensors (layerwise reload: fresh ones, loaded) or a loader's write into them."""
+        fresh = (layer.w13_weight.data_ptr() != self._weights.w13.data_ptr()
+                 or layer.w2_weight.data_ptr() != self._weights.w2.data_ptr())
+        received, self._written = fresh or self._written, False
+        return received
 
     @torch.no_grad()
     def update_weights(self, layer: torch.nn.Module, quant_config: FusedMoEQuantConfig) -> None:
@@ -309,6 +340,11 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
         if self._weights is None:
             raise RuntimeError(f"{self.layer_name}: a weight update reached megamoe before the "
                                "first load was processed")
+        if self._layout != "checkpoint":
+            raise ValueError(
+                f"{self.layer_name}: a weight update of a checkpoint converted offline for megamoe "
+                f"(layout {self._layout!r}): updates arrive in the original checkpoint's layout. "
+                "Serve the original checkpoint (megamoe converts it at load time) to update weights")
         loaded = self._loaded_weights(layer, quant_config)
         if (loaded.num_experts, loaded.hidden, loaded.intermediate) != (
                 self._weights.num_experts, self._weights.hidden, self._weights.intermediate):
