@@ -243,12 +243,14 @@ def test_phase_clock_orders_the_phases_on_one_gpu():
 
 
 @requires_sm90
+@pytest.mark.parametrize("layout", ["interleaved", "checkpoint"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
-def test_weight_update_under_cuda_graph_one_gpu(fmt):
+def test_weight_update_under_cuda_graph_one_gpu(fmt, layout):
     """An RL weight update as the plugin makes it: new weights converted to the kernel layout and
     copied over the old ones in place (overwrite_weights_). A CUDA graph captured before the
     update then computes with the new weights: the kernel keeps no copy of them, and its TMA
-    descriptors (cached per weights object, by address) stay valid."""
+    descriptors (cached per weights object, by address) stay valid. Weights passed in checkpoint
+    layout (a library caller) run through an interleaved copy the update refills in place."""
     from mega_cases import global_weights, inputs
     from vllm_megamoe import SymmBuffer, reference
     from vllm_megamoe.kernels import sm90_mega_moe
@@ -256,7 +258,8 @@ def test_weight_update_under_cuda_graph_one_gpu(fmt):
     shape = SHAPES["small-odd"]
     dev = torch.device("cuda", 0)
     emulate = "fp8" if fmt == "fp8-block" else "bf16"
-    served = transform_weights_for_mega_moe(global_weights(shape, fmt, dev, seed=0))
+    kernel_layout = transform_weights_for_mega_moe if layout == "interleaved" else (lambda w: w)
+    served = kernel_layout(global_weights(shape, fmt, dev, seed=0))
     buf = SymmBuffer(shape, 64, None, format=fmt, device=dev)
     static = [t.clone() for t in inputs(shape, [64], "uniform", 31, dev)[0]]
     y = torch.empty(64, shape.hidden, dtype=torch.bfloat16, device=dev)
@@ -269,7 +272,7 @@ def test_weight_update_under_cuda_graph_one_gpu(fmt):
     for seed in (0, 1, 2):  # seed 0 before the update, then two updates
         update = global_weights(shape, fmt, dev, seed=seed)
         if seed:
-            overwrite_weights_(served, transform_weights_for_mega_moe(update))
+            overwrite_weights_(served, kernel_layout(update))
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
