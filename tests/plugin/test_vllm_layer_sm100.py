@@ -47,18 +47,32 @@ def sm100_worker(monkeypatch):
     discovery.reset()
 
 
-@pytest.mark.parametrize("fmt,bound", [("bf16", 1e-2), ("fp8-block", 6e-2)])
-def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
-    runtime, fake = sm100_worker
+def sm100_layer(runtime, weights, quant):
+    """A MegaMoEExperts set up on the SM100 path as the loader hook does: (kernel, layer, experts)."""
     from vllm_megamoe.plugin.experts import MegaMoEExperts
-    weights, quant = make_weights(fmt, gen, hidden=H, inter=I)
-    checkpoint = weights.dequantize()  # before the layer's parameters take the kernel's tensors
     layer = FakeLayer(weights)
     experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I), quant)
     kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), experts)
     experts.process_weights_after_loading(layer)
     runtime.ensure_buffer()
     experts.bind_buffer()
+    return kernel, layer, experts
+
+
+def sm100_routing(t, gen):
+    """routing() at this file's sizes (hidden H, top-K of E)."""
+    _, _, tw = routing(t, gen)
+    x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(t, E, generator=gen), dim=1)[:, :K].to(torch.int32)
+    return x, idx, tw
+
+
+@pytest.mark.parametrize("fmt,bound", [("bf16", 1e-2), ("fp8-block", 6e-2)])
+def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
+    runtime, fake = sm100_worker
+    weights, quant = make_weights(fmt, gen, hidden=H, inter=I)
+    checkpoint = weights.dequantize()  # before the layer's parameters take the kernel's tensors
+    kernel, layer, experts = sm100_layer(runtime, weights, quant)
     assert len(runtime.STATE.sm100_buffers) == 1 and runtime.STATE.buffer is None
     # The layer's parameters alias the kernel-layout tensors (FP8 checkpoints become MXFP4).
     assert layer.w13_weight.data_ptr() == experts._weights.w13.data_ptr()
@@ -66,9 +80,7 @@ def test_sm100_path_through_vllm_modular_kernel(sm100_worker, gen, fmt, bound):
     for param in (layer.w13_weight, layer.w2_weight):
         assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
     assert experts._weights.mma_type == ("bf16xbf16" if fmt == "bf16" else "fp8xfp4")
-    x, idx, tw = routing(21, gen)
-    x = torch.randn(21, H, generator=gen).to(torch.bfloat16)
-    idx = torch.argsort(torch.rand(21, E, generator=gen), dim=1)[:, :K].to(torch.int32)
+    x, idx, tw = sm100_routing(21, gen)
     y = run(kernel, layer, x, idx, tw)
     kernels = [c[0] for c in fake.calls if c[0].endswith("mega_moe")]
     assert kernels == ["bf16_mega_moe" if fmt == "bf16" else "fp8_fp4_mega_moe"]
@@ -104,19 +116,10 @@ def test_sm100_weight_update_refills_in_place(sm100_worker, gen):
     overwrites the tensors the per-layer op was built with; the next call computes with the new
     experts."""
     runtime, fake = sm100_worker
-    from vllm_megamoe.plugin.experts import MegaMoEExperts
-    weights, quant = make_weights("fp8-block", gen, hidden=H, inter=I)
-    layer = FakeLayer(weights)
-    experts = MegaMoEExperts(moe_config(hidden_dim=H, intermediate_size=I), quant)
-    kernel = mk.FusedMoEKernel(PassThroughPrepareAndFinalize(), experts)
-    experts.process_weights_after_loading(layer)
-    runtime.ensure_buffer()
-    experts.bind_buffer()
+    kernel, layer, experts = sm100_layer(runtime, *make_weights("fp8-block", gen, hidden=H, inter=I))
     held = experts._weights
     assert experts._sm100_op._l1[0] is held.w13  # what the op was built with
-    x, idx, tw = routing(13, gen)
-    x = torch.randn(13, H, generator=gen).to(torch.bfloat16)
-    idx = torch.argsort(torch.rand(13, E, generator=gen), dim=1)[:, :K].to(torch.int32)
+    x, idx, tw = sm100_routing(13, gen)
     before = run(kernel, layer, x, idx, tw)
     new, new_quant = make_weights("fp8-block", gen, hidden=H, inter=I)
     layer.w13_weight = torch.nn.Parameter(new.w13, requires_grad=False)
