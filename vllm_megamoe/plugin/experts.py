@@ -292,16 +292,15 @@ class MegaMoEExperts(mk.FusedMoEExpertsModular):
             return
         self._note_writes(layer)
         first_run = method.process_weights_after_loading
-        experts = self
 
         def process_weights_after_loading(updated_layer: torch.nn.Module) -> None:
             kernel, quant = method.moe_kernel, method.moe_quant_config
             try:
                 first_run(updated_layer)
-                if experts._received_weights(updated_layer):
+                if self._received_weights(updated_layer):
                     # FP8 builds a new kernel whose quant config holds the update's scales.
-                    rebuilt = getattr(method.moe_kernel, "fused_experts", experts)
-                    experts.update_weights(updated_layer, rebuilt.quant_config)
+                    rebuilt = getattr(method.moe_kernel, "fused_experts", self)
+                    self.update_weights(updated_layer, rebuilt.quant_config)
             finally:  # megamoe's kernel and tensors stay the layer's, whatever happened
                 method.moe_kernel, method.moe_quant_config = kernel, quant
 
