@@ -72,3 +72,45 @@ def test_reference_bad_input(gen):
         reference.moe_forward(x, idx, w, w13, w2, emulate="fp4")
     with pytest.raises(ValueError, match="w2 has shape"):
         reference.moe_forward(x, idx, w, w13, w2[:, :, :64])
+
+
+@pytest.mark.parametrize("mode", [None, "fp8", "bf16"])
+def test_per_expert_weights_give_the_same_output(gen, mode):
+    from vllm_megamoe import ExpertWeights, transform_weights_for_mega_moe
+    x, idx, w, w13, w2 = _problem(gen)
+    weights = ExpertWeights.from_float(w13, w2, "fp8-block")
+    whole = reference.moe_forward(x, idx, w, *weights.dequantize(), emulate=mode)
+    asked = []
+
+    def one_expert(e):
+        asked.append(e)
+        return weights.dequantize_expert(e)
+
+    per_expert = reference.moe_forward_per_expert(x, idx, w, weights.num_experts, one_expert, emulate=mode)
+    assert torch.equal(per_expert, whole)
+    assert sorted(asked) == sorted(set(idx[idx >= 0].tolist())), "each routed expert once, no other"
+    # the kernel's interleaved layout dequantizes to the same experts
+    interleaved = transform_weights_for_mega_moe(weights, "sm90")
+    assert torch.equal(reference.moe_forward_per_expert(x, idx, w, weights.num_experts,
+                                                        interleaved.dequantize_expert, emulate=mode), whole)
+
+
+def test_bf16_weights_read_one_expert_at_a_time(gen):
+    x, idx, w, w13, w2 = _problem(gen)
+    b13, b2 = w13.bfloat16(), w2.bfloat16()
+    assert torch.equal(reference.moe_forward(x, idx, w, b13, b2),
+                       reference.moe_forward(x, idx, w, b13.float(), b2.float()))
+
+
+def test_per_expert_bad_input(gen):
+    from vllm_megamoe import ExpertWeights
+    x, idx, w, w13, w2 = _problem(gen)
+    weights = ExpertWeights.from_float(w13, w2, "fp8-block")
+    with pytest.raises(ValueError, match="dequantize it first"):
+        reference.moe_forward(x, idx, w, weights.w13, weights.w2)
+    with pytest.raises(ValueError, match="outside"):
+        reference.moe_forward_per_expert(x, idx, w, 4, weights.dequantize_expert)
+    with pytest.raises(ValueError, match="expert 6 is outside"):
+        weights.dequantize_expert(6)
+    with pytest.raises(ValueError, match=r"do not fit hidden 256"):
+        reference.moe_forward_per_expert(x, idx, w, 6, lambda e: (w13[e][:, :128], w2[e]))

@@ -97,6 +97,14 @@ class ExpertWeights:
             w2 = quant.dequantize_fp8_blocks(w2, self.w2_scale, WEIGHT_BLOCK)
         return w13.float(), w2.float()
 
+    def dequantize_expert(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (w13 [2I, H], w2 [H, I]) of one expert in checkpoint layout: the reference's
+        per-expert input (reference.moe_forward_per_expert), without a float copy of the layer."""
+        require(0 <= index < self.w13.shape[0],
+                f"expert {index} is outside this layer's {self.w13.shape[0]} experts")
+        w13, w2 = self.experts(index, 1).dequantize()
+        return w13[0], w2[0]
+
     def experts(self, start: int, count: int) -> "ExpertWeights":
         """A view of experts [start, start+count) (e.g. one rank's share of a global layer)."""
         sl = slice(start, start + count)

@@ -65,7 +65,9 @@ def run_cases(rank, world, group, shape_name, fmt, cases, compare_portable=True,
     weights = global_weights(shape, fmt, dev)
     el = shape.experts_per_rank(world)
     local = weights.experts(rank * el, el)
-    w13f, w2f = weights.dequantize()
+    # One expert's float weights at a time: two ranks' float copies of the V4-Flash-like layer
+    # (26 GB each) do not fit beside each other on one 80 GB GPU (MEGAMOE_SHARED_GPU=1).
+    expert_weights = weights.dequantize_expert
     max_tokens = max(max(t) for t, _, _ in cases)
     buf = SymmBuffer(shape, max_tokens, group, format=fmt, device=dev)
     rows = []
@@ -76,8 +78,9 @@ def run_cases(rank, world, group, shape_name, fmt, cases, compare_portable=True,
             sm90_mega_moe.mega_moe(x, idx, tw, local, buf, y=y)
             torch.cuda.synchronize(dev)
             emulate = "fp8" if fmt == "fp8-block" else "bf16"
-            ref_emu = reference.moe_forward(x, idx, tw, w13f, w2f, emulate=emulate)
-            ref = reference.moe_forward(x, idx, tw, w13f, w2f)
+            ref_emu = reference.moe_forward_per_expert(x, idx, tw, shape.num_experts, expert_weights,
+                                                       emulate=emulate)
+            ref = reference.moe_forward_per_expert(x, idx, tw, shape.num_experts, expert_weights)
             row = dict(tokens=tokens_per_rank, case=case, call=call,
                        err_emulated=reference.relative_error(y, ref_emu),
                        err_exact=reference.relative_error(y, ref), finite=bool(torch.isfinite(y).all()))
