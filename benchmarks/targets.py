@@ -135,10 +135,23 @@ def evaluate(rows: list[dict]) -> list[dict]:
         if not cs:
             continue
         judged = [c for c in cs if c.met is not None]
+        met_measured = bool(judged) and all(c.met or c.beyond_roofline for c in judged)
+        unmeasured = [c.name for c in cs if c.met is None]
+        # A criterion whose path did not run (e.g. the chain out of memory) is not met: the case
+        # counts apart, as met on what was measured.
         out.append(dict(zip(report.CASE_KEYS, key), criteria=cs,
-                        met=bool(judged) and all(c.met or c.beyond_roofline for c in judged),
+                        met=met_measured and not unmeasured, met_measured=met_measured, unmeasured=unmeasured,
                         unreachable=any(c.beyond_roofline for c in judged)))
     return out
+
+
+def _unmeasured_note(results: list[dict]) -> str:
+    """"; N more meet every criterion that was measured (not measured: ...)", or ""."""
+    partial = [e for e in results if e["met_measured"] and not e["met"]]
+    if not partial:
+        return ""
+    names = sorted({n for e in partial for n in e["unmeasured"]})
+    return f"; {len(partial)} more meet every criterion that was measured (not measured: {', '.join(names)})"
 
 
 def markdown(results: list[dict]) -> str:
@@ -150,11 +163,13 @@ def markdown(results: list[dict]) -> str:
         verdict = "yes" if e["met"] else "no"
         if e["met"] and e["unreachable"]:
             verdict = "yes, where the roofline allows"
+        elif e["met_measured"] and not e["met"]:
+            verdict = "not measured: " + ", ".join(e["unmeasured"])
         lines.append("| " + " | ".join([str(e["shape"]), str(e["format"]), str(e["routing"]),
                                          str(e["tokens_per_rank"]), "; ".join(c.cell() for c in e["criteria"]),
                                          verdict]) + " |")
     n_met = sum(e["met"] for e in results)
-    lines += ["", f"{n_met} of {len(results)} cases meet every criterion ({summary(results)})."]
+    lines += ["", f"{n_met} of {len(results)} cases meet every criterion ({summary(results)}){_unmeasured_note(results)}."]
     return "\n".join(lines)
 
 
@@ -196,8 +211,9 @@ def highlights(rows: list[dict], results: list[dict]) -> list[str]:
             f"{b} tokens {_span(v)}" for b, v in sorted(ratios.items(), key=lambda kv: TOKEN_BUCKETS.index(kv[0]))))
     if prefill:
         lines.append("x sglang at 4096-8192 tokens: " + "; ".join(f"{s} {_span(v)}" for s, v in sorted(prefill.items())))
-    missed = [e for e in results if not e["met"]]
-    lines.append(f"met: {sum(e['met'] for e in results)} of {len(results)} ({summary(results)}); missed:")
+    missed = [e for e in results if not e["met_measured"]]
+    lines.append(f"met: {sum(e['met'] for e in results)} of {len(results)} ({summary(results)})"
+                 f"{_unmeasured_note(results)}; missed:")
     for e in missed:
         failed = [c for c in e["criteria"] if c.met is False and not c.beyond_roofline]
         lines.append(f"  {e['shape']} {e['format']} {e['routing']} {e['tokens_per_rank']}: "
