@@ -292,8 +292,7 @@ def _open_paths(cfg: BenchConfig, shape, fmt, weights, buf, group, max_tokens, r
                 notes["sglang"] = sglang_baseline.version()
     if "chain" in cfg.paths:
         def make_chain():
-            w13, w2 = weights.dequantize()
-            return P.ChainPath(UnfusedChain(w13, w2, fmt, group))
+            return P.ChainPath(UnfusedChain.from_weights(weights, fmt, group))
         chain, err = _guarded(make_chain, group)
         _empty_cache()
         if err:

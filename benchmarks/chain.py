@@ -25,16 +25,36 @@ class UnfusedChain:
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, fmt: str, group):
         """w13 [El, 2I, H], w2 [El, H, I] float (dequantized) on the GPU."""
+        self._prepare(w13.shape[0], lambda e: (w13[e], w2[e]), fmt, group)
+
+    @classmethod
+    def from_weights(cls, weights, fmt: str, group) -> "UnfusedChain":
+        """From an ExpertWeights, one expert's float copy at a time: a float copy of a whole
+        DeepSeek-V3-like layer (45 GB at EP1) does not fit an 80 GB GPU beside the other paths."""
+        chain = cls.__new__(cls)
+        chain._prepare(weights.num_experts, weights.dequantize_expert, fmt, group)
+        return chain
+
+    def _prepare(self, num_experts: int, expert, fmt: str, group):
+        """expert(e) -> (w13 [2I, H], w2 [H, I]) float of local expert e."""
         self.fmt, self.group = fmt, group
-        self.el = w13.shape[0]
+        self.el = num_experts
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.fp8 = fmt == "fp8-block" and hasattr(torch, "_scaled_grouped_mm")
-        if self.fp8:
-            self.w13, self.s13 = _rowwise_fp8(w13)  # [El, 2I, H], [El, 2I]
-            self.w2, self.s2 = _rowwise_fp8(w2)
-        else:
-            self.w13, self.w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
         self.gemm_kind = "scaled_grouped_mm fp8 rowwise" if self.fp8 else "grouped_mm bf16"
+        for e in range(num_experts):
+            w13, w2 = expert(e)
+            if e == 0:
+                dtype = FP8 if self.fp8 else torch.bfloat16
+                self.w13 = torch.empty((num_experts, *w13.shape), dtype=dtype, device=w13.device)
+                self.w2 = torch.empty((num_experts, *w2.shape), dtype=dtype, device=w2.device)
+                if self.fp8:  # one float scale per weight row
+                    self.s13 = torch.empty(num_experts, w13.shape[0], device=w13.device)
+                    self.s2 = torch.empty(num_experts, w2.shape[0], device=w2.device)
+            if self.fp8:
+                (self.w13[e], self.s13[e]), (self.w2[e], self.s2[e]) = _rowwise_fp8(w13), _rowwise_fp8(w2)
+            else:
+                self.w13[e], self.w2[e] = w13, w2
 
     def _gemm(self, a: torch.Tensor, w: torch.Tensor, s, offs) -> torch.Tensor:
         if self.fp8:

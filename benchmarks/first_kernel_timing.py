@@ -26,9 +26,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
     for name in shapes:
         shape = STANDARD_SHAPES[name]
         weights = local_weights(shape, world, rank, fmt, dev)
-        w13, w2 = weights.dequantize()
-        chain = UnfusedChain(w13, w2, fmt, group)
-        del w13, w2
+        chain = UnfusedChain.from_weights(weights, fmt, group)
         buf = SymmBuffer(shape, max(tokens_list), group, format=fmt, device=dev)
         for tokens in tokens_list:
             sets, static, load = rotating_inputs(shape, tokens, dev, rank + tokens, group)
