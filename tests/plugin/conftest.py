@@ -21,6 +21,7 @@ def pytest_configure(config):
     expected = os.environ.get("MEGAMOE_EXPECT_VLLM")
     if expected:
         import vllm
-        if vllm.__version__.split("+")[0] != expected:
+        from vllm_megamoe.plugin import public_version
+        if public_version(vllm.__version__) != expected:
             raise pytest.UsageError(f"MEGAMOE_EXPECT_VLLM={expected} but vllm {vllm.__version__} "
                                     f"was imported from {vllm.__file__}")

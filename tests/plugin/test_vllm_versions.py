@@ -79,3 +79,9 @@ def test_doctor_says_whether_the_release_is_checked(monkeypatch):
     assert "scripts/vllm_releases.sh 0.99.1" in row
     monkeypatch.setattr(doctor, "_version", lambda module: "not installed")
     assert doctor._vllm_version() == "not installed"
+
+
+def test_release_names():
+    assert plugin.public_version("0.32.0+cpu") == "0.32.0" and plugin.public_version("0.34.0") == "0.34.0"
+    assert plugin.checked_vllm_release("0.33.1+cu130") and not plugin.checked_vllm_release("0.3.4")
+    assert not plugin.checked_vllm_release("0.35.0rc1+cpu")

@@ -19,9 +19,14 @@ BACKEND_NAME = "megamoe"
 CHECKED_VLLM_RELEASES = ("0.32", "0.33", "0.34")
 
 
+def public_version(version: str) -> str:
+    """A vLLM version without its local part: "0.32.0+cpu" -> "0.32.0"."""
+    return version.split("+")[0]
+
+
 def checked_vllm_release(version: str) -> bool:
     """Whether vLLM `version` ("0.34.0", "0.32.0+cpu") is a release the plugin was checked on."""
-    return ".".join(version.split("+")[0].split(".")[:2]) in CHECKED_VLLM_RELEASES
+    return ".".join(public_version(version).split(".")[:2]) in CHECKED_VLLM_RELEASES
 
 _registered = False
 

@@ -24,7 +24,7 @@ import importlib
 import sys
 import typing
 
-from . import CHECKED_VLLM_RELEASES, checked_vllm_release
+from . import CHECKED_VLLM_RELEASES, checked_vllm_release, public_version
 from .runtime import logger
 
 BACKEND = "megamoe"
@@ -48,7 +48,7 @@ def install() -> None:
                        "against (%s): it hooks vLLM's MoE internals, so a failure at startup or in "
                        "a MoE layer may come from a change there (`bash scripts/vllm_releases.sh "
                        "%s` runs the plugin's layer and startup tests against a release).",
-                       version, ", ".join(CHECKED_VLLM_RELEASES), version.split("+")[0])
+                       version, ", ".join(CHECKED_VLLM_RELEASES), public_version(version))
     try:
         _install_hooks()
     except Exception as e:
