@@ -51,8 +51,7 @@ def test_table_buckets_pick_by_tokens_per_rank(clean_env, tmp_path):
     assert tu.choose(V4, "fp8-block", 2, 512) == Choice("wgmma", 5, 32)
     assert tu.choose(V4, "fp8-block", 2, 513) == Choice("tma", 4, 64)
     assert tu.choose(V4, "fp8-block", 2, 9000) == Choice("tma", 4, 64)  # past the last bucket
-    assert tu.choose(V4, "fp8-block", 4, 8) == Choice("tma", 4, 32)     # other EP size: heuristic
-    assert tu.choose(V4, "bf16", 2, 8) == Choice("tma", 4, 32)
+    assert tu.choose(V4, "bf16", 2, 8) == Choice("tma", 4, 32)          # no entry for the format: heuristic
     assert tu.choices(V4, "fp8-block", 2) == [Choice("wgmma", 5, 32), Choice("tma", 4, 64)]
 
 
@@ -321,3 +320,45 @@ def test_fp8_auto_tile_stays_below_128_under_two_forced_stages(clean_env):
     assert tu.choose(V4, "fp8-block", 1, 8192) == Choice("tma", 2, 64)
     assert 128 not in [c.tile for c in tu.choices(V4, "fp8-block", 1)]
     assert tu.choose(V4, "bf16", 1, 8192) == Choice("tma", 2, 128)
+
+
+def test_other_ep_sizes_take_the_nearest_entry_by_rows_per_expert(clean_env, tmp_path):
+    """An EP size without its own entry uses the layer's entry at the nearest EP size, its buckets
+    read in rows per local expert: 512 tokens per rank at EP2 are 1024 at EP1 and 256 at EP4."""
+    import yaml
+    ep2 = [{"max_tokens": 512, "mainloop": "tma", "stages": 5, "tile": 32},
+           {"max_tokens": 1 << 20, "mainloop": "tma", "stages": 4, "tile": 64}]
+    path = _table(tmp_path, ep2)
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
+    assert tu.table_entry(V4, "fp8-block", 1)[1] == 2 and tu.table_entry(V4, "bf16", 1) == ([], 0)
+    assert tu.choose(V4, "fp8-block", 1, 1024) == Choice("tma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 1, 1025) == Choice("tma", 4, 64)
+    assert tu.choose(V4, "fp8-block", 4, 256) == Choice("tma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 4, 257) == Choice("tma", 4, 64)
+    assert tu.choices(V4, "fp8-block", 1) == [Choice("tma", 5, 32), Choice("tma", 4, 64)]
+    # its own entry wins; of two other EP sizes the nearer, the larger of two as near
+    doc = yaml.safe_load(path.read_text())
+    shape = doc["entries"][0]["shape"]
+    one = [{"max_tokens": 1 << 20, "mainloop": "wgmma", "stages": 3, "tile": 32}]
+    eight = [{"max_tokens": 1 << 20, "mainloop": "tma", "stages": 3, "tile": 32}]
+    doc["entries"] += [{"shape": shape, "format": "fp8-block", "ranks": 1, "buckets": one},
+                       {"shape": shape, "format": "fp8-block", "ranks": 8, "buckets": eight}]
+    (tmp_path / "more").mkdir()
+    more = tmp_path / "more" / "tuning.yaml"
+    more.write_text(yaml.safe_dump(doc))
+    clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(more))
+    assert tu.choose(V4, "fp8-block", 1, 1025) == Choice("wgmma", 3, 32)
+    assert tu.table_entry(V4, "fp8-block", 4)[1] == 8   # 2 and 8 are as near to 4: the larger
+    assert tu.table_entry(V4, "fp8-block", 3)[1] == 2
+
+
+def test_packaged_table_at_ep1_follows_the_ep2_rows_per_expert(clean_env):
+    """One GPU, packaged table (EP2 entries): DeepSeek-V3-like at 1024 tokens (32 rows per expert)
+    runs 64-token tiles, 0.945x the 32-token build's time on an H100 (kernel_notes v38), where the
+    rows-per-expert heuristic (64 from 48 rows) kept 32; Qwen3-like at 512 tokens keeps 32."""
+    clean_env.delenv("VLLM_MEGAMOE_SM90_TUNING")
+    qwen3 = MoEShape(2048, 768, 128, 8)
+    assert tu.choose(DSV3, "fp8-block", 1, 1024) == Choice("tma", 4, 64)
+    assert tu.choose(DSV3, "fp8-block", 1, 512).tile == 32
+    assert tu.choose(qwen3, "fp8-block", 1, 512).tile == 32
+    assert tu.choose(V4, "fp8-block", 1, 1536).tile == 64

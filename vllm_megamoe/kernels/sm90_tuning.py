@@ -7,7 +7,8 @@ Three sources, strongest first:
    VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
    bucket of tokens per rank (a tile of TILE_64_OR_128 where the probes did not time the 128-token
    build: the model below picks), written by `python -m benchmarks.tune_sm90` from kernel_probe runs
-   (read once per process: the op consults it on every call);
+   (read once per process: the op consults it on every call). A layer without an entry at its EP
+   size takes the entry of the nearest EP size, by expected rows per local expert (table_entry);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
    AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles where a
@@ -293,14 +294,33 @@ def _parse_bucket(b: dict) -> tuple:
             TILE_64_OR_128 if wide else None)
 
 
+def table_entry(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[list, int]:
+    """(buckets, ranks) of the table entry that serves this layer at EP size num_ranks: its own, or
+    else the same layer and format's entry at the nearest EP size (the larger of two as near),
+    whose buckets then apply by expected rows per local expert (tokens per rank x EP size / the
+    entry's EP size: the tile crossovers follow the rows per expert, kernel_notes v38); ([], 0)
+    without one."""
+    table = load_table()
+    own = table.get(entry_key(shape, fmt, num_ranks))
+    if own:
+        return own, num_ranks
+    others = [k[5] for k in table if k[:5] == entry_key(shape, fmt, num_ranks)[:5]]
+    if not others:
+        return [], 0
+    ranks = min(others, key=lambda r: (abs(math.log(r / num_ranks)), -r))
+    return table[entry_key(shape, fmt, ranks)], ranks
+
+
 def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[tuple]:
     """The table's (Choice, tile_rule) for this layer and tokens per rank (the first bucket whose
-    max_tokens is at least num_tokens; beyond the last bucket, the last), or None without an entry."""
-    buckets = load_table().get(entry_key(shape, fmt, num_ranks))
+    max_tokens is at least num_tokens, in the entry's tokens per rank (table_entry); beyond the
+    last bucket, the last), or None without an entry."""
+    buckets, ranks = table_entry(shape, fmt, num_ranks)
     if not buckets:
         return None
+    tokens = num_tokens * num_ranks / ranks  # the same rows per local expert at the entry's EP size
     for max_tokens, choice, rule in buckets:
-        if num_tokens <= max_tokens:
+        if tokens <= max_tokens:
             return choice, rule
     return buckets[-1][1:]
 
@@ -343,7 +363,7 @@ def choose(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Choice
 def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     """Every build `choose` can return for this layer (any tokens per rank), the family's first."""
     out = []
-    for base, env in _with_env([b[1:] for b in load_table().get(entry_key(shape, fmt, num_ranks), [])]):
+    for base, env in _with_env([b[1:] for b in table_entry(shape, fmt, num_ranks)[0]]):
         mainloop = env.get("mainloop", base.mainloop)
         may_128 = auto_tile_128_possible(shape, fmt, num_ranks, mainloop, env.get("stages"))
         tiles = {"auto": TILES, TILE_64_OR_128: (64, 128)}.get(env.get("tile"), (None,))
