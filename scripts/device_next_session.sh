@@ -9,6 +9,9 @@
 #   STEP=decode  1 and 8 tokens per rank, the three shapes: per-phase times of each rank (which rank
 #                waits in a barrier, which one works) next to 5 stages and the chunk trace of each
 #                CTA's first L1 task (what a K chunk waits for when a CTA runs one task), 2 GPUs
+#   STEP=ep1_lookup one GPU: v38's EP1 builds (the EP2 table by rows per expert) against the former
+#                heuristic's at 768-1536 tokens, then the EP1 benchmark (carry .whl and the builds:
+#                PLAN=ep1 precompile, or kernel_probe --compile-only as in docs/kernel_notes.md v38)
 #   STEP=bench   the standard benchmark of the three shapes in FP8 and BF16 (carry .whl for SGLang;
 #                set MEGAMOE_COMMIT=<sha>)
 #   STEP=portable the portable path with VLLM_MEGAMOE_PORTABLE_ACTIVATION / _REDUCE=triton: tests and timing
@@ -105,6 +108,13 @@ case "${STEP:-verify}" in
   decode)   # ~3 min: where a handful of tokens per rank spends its time, per rank (kernel_probe per_rank)
     timeout 240 python3 -m benchmarks.kernel_probe --gpus ${GPUS:-2} --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1 8} --variants ${VARIANTS:-default stages=5,tile=32 trace=1,trace_task=0} --out "$OUT/probe_decode.json" 2>&1 | tail -50 ;;
+  ep1_lookup) # ~4 min, one GPU: v38's EP1 builds (the EP2 table read by rows per expert) against the
+            # heuristic's (4-stage 32-token tiles below 48 rows per expert), then the EP1 benchmark
+    timeout 120 python3 -m benchmarks.kernel_probe --gpus 1 --format fp8-block --shapes v4-flash deepseek-v3 \
+      --tokens 768 1024 1536 --variants default stages=4,tile=32 --rounds 3 --out "$OUT/probe_ep1_lookup.json" 2>&1 | tail -14
+    GPUS=1 FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=110 SHAPE_BUDGET=80 DEADLINE=400 \
+      bash scripts/device_bench.sh > /dev/null 2>&1
+    grep -E "^== " "$OUT/bench.log" ;;
   bench)
     FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=170 SHAPE_BUDGET=120 DEADLINE=560 \
       bash scripts/device_bench.sh > /dev/null 2>&1
@@ -357,5 +367,5 @@ case "${STEP:-verify}" in
             # stores were 1-3 % of a call, v30): graph times with and without them (ablate=stores), in turn
     timeout 240 python3 -m benchmarks.kernel_probe --gpus 2 --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} \
       --tokens ${TOKENS:-1024 8192} --variants default ablate=stores --rounds 2 --out "$OUT/probe_nvl_stores.json" 2>&1 | tail -16 ;;
-  *) echo "unknown STEP=${STEP}: verify, one_gpu, candidates, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or task_scales"; exit 2 ;;
+  *) echo "unknown STEP=${STEP}: verify, one_gpu, ep1_lookup, candidates, wg128, ab, trace, wgmma, rs, probe, bench, final, portable, ablate, pitch, ncu, ncu_mem, ncu_src, nvl_stores or task_scales"; exit 2 ;;
 esac

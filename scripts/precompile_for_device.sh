@@ -5,7 +5,7 @@
 # Carry the plan's folder (`run` carry [".probe_jit/ep2"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2
 # there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
 #   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
-#   PLAN=ep1: STEP=one_gpu's kernel tests, STEP=wg128 and STEP=task_scales
+#   PLAN=ep1: STEP=one_gpu's kernel tests, STEP=wg128, STEP=task_scales and STEP=ep1_lookup
 #   PLAN=cand: STEP=candidates: the one-GPU kernel tests' and sanitizer probe's builds of every
 #              candidate tree in .probe_cand/ (scripts/candidate_trees.sh), and the probe's builds of
 #              VARIANTS (SHAPES, TOKENS) as STEP=candidates runs them; carry [".probe_jit/cand", ".probe_cand"]
@@ -76,7 +76,12 @@ case "${PLAN:-ep2}" in
     multi_rank_extras fp8-block
     probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
       --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
-    probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales ;;
+    probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales
+    # STEP=ep1_lookup: its probe, then the EP1 benchmark (buffers of 8192 tokens per rank)
+    probe --gpus 1 --format fp8-block --shapes v4-flash deepseek-v3 --tokens 768 1024 1536 --variants default stages=4,tile=32
+    for s in $V4 $DSV3 $QWEN3; do
+      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 1 --max-tokens-per-rank 8192; done
+    done ;;
   cand)
     # STEP=candidates: each candidate tree's one-GPU test and sanitizer probe builds (this tree's tests
     # do not run in that step), then the A/B's builds (VARIANTS name the trees: csrc=.probe_cand/NAME/csrc)
