@@ -37,6 +37,8 @@ class UnfusedChain:
 
     def _prepare(self, num_experts: int, expert, fmt: str, group):
         """expert(e) -> (w13 [2I, H], w2 [H, I]) float of local expert e."""
+        if num_experts < 1:
+            raise ValueError(f"the chain needs at least one local expert, got {num_experts}")
         self.fmt, self.group = fmt, group
         self.el = num_experts
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

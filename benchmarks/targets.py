@@ -135,23 +135,23 @@ def evaluate(rows: list[dict]) -> list[dict]:
         if not cs:
             continue
         judged = [c for c in cs if c.met is not None]
-        met_measured = bool(judged) and all(c.met or c.beyond_roofline for c in judged)
+        failed = [c for c in judged if c.met is False and not c.beyond_roofline]
         unmeasured = [c.name for c in cs if c.met is None]
-        # A criterion whose path did not run (e.g. the chain out of memory) is not met: the case
-        # counts apart, as met on what was measured.
+        # A criterion whose path did not run (e.g. the chain out of memory) is not met: a case that
+        # misses none of the others counts apart, as "not measured".
         out.append(dict(zip(report.CASE_KEYS, key), criteria=cs,
-                        met=met_measured and not unmeasured, met_measured=met_measured, unmeasured=unmeasured,
+                        met=not failed and not unmeasured, failed=failed, unmeasured=unmeasured,
                         unreachable=any(c.beyond_roofline for c in judged)))
     return out
 
 
 def _unmeasured_note(results: list[dict]) -> str:
-    """"; N more meet every criterion that was measured (not measured: ...)", or ""."""
-    partial = [e for e in results if e["met_measured"] and not e["met"]]
+    """"; N more miss no criterion that was measured (not measured: ...)", or ""."""
+    partial = [e for e in results if not e["met"] and not e["failed"]]
     if not partial:
         return ""
     names = sorted({n for e in partial for n in e["unmeasured"]})
-    return f"; {len(partial)} more meet every criterion that was measured (not measured: {', '.join(names)})"
+    return f"; {len(partial)} more miss no criterion that was measured (not measured: {', '.join(names)})"
 
 
 def markdown(results: list[dict]) -> str:
@@ -163,7 +163,7 @@ def markdown(results: list[dict]) -> str:
         verdict = "yes" if e["met"] else "no"
         if e["met"] and e["unreachable"]:
             verdict = "yes, where the roofline allows"
-        elif e["met_measured"] and not e["met"]:
+        elif not e["met"] and not e["failed"]:
             verdict = "not measured: " + ", ".join(e["unmeasured"])
         lines.append("| " + " | ".join([str(e["shape"]), str(e["format"]), str(e["routing"]),
                                          str(e["tokens_per_rank"]), "; ".join(c.cell() for c in e["criteria"]),
@@ -211,13 +211,12 @@ def highlights(rows: list[dict], results: list[dict]) -> list[str]:
             f"{b} tokens {_span(v)}" for b, v in sorted(ratios.items(), key=lambda kv: TOKEN_BUCKETS.index(kv[0]))))
     if prefill:
         lines.append("x sglang at 4096-8192 tokens: " + "; ".join(f"{s} {_span(v)}" for s, v in sorted(prefill.items())))
-    missed = [e for e in results if not e["met_measured"]]
+    missed = [e for e in results if e["failed"]]
     lines.append(f"met: {sum(e['met'] for e in results)} of {len(results)} ({summary(results)})"
                  f"{_unmeasured_note(results)}; missed:")
     for e in missed:
-        failed = [c for c in e["criteria"] if c.met is False and not c.beyond_roofline]
         lines.append(f"  {e['shape']} {e['format']} {e['routing']} {e['tokens_per_rank']}: "
-                     + "; ".join(f"{c.name} {c.value:.2f} (bound {c.bound:.2f})" for c in failed))
+                     + "; ".join(f"{c.name} {c.value:.2f} (bound {c.bound:.2f})" for c in e["failed"]))
     return lines
 
 

@@ -112,7 +112,7 @@ case "${STEP:-verify}" in
             # heuristic's (4-stage 32-token tiles below 48 rows per expert), then the EP1 benchmark
     timeout 120 python3 -m benchmarks.kernel_probe --gpus 1 --format fp8-block --shapes v4-flash deepseek-v3 \
       --tokens 768 1024 1536 --variants default stages=4,tile=32 --rounds 3 --out "$OUT/probe_ep1_lookup.json" 2>&1 | tail -14
-    GPUS=1 FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=110 SHAPE_BUDGET=80 DEADLINE=400 \
+    GPUS=1 FORMATS="fp8-block bf16" TOKENS="1 8 128 1024 8192" SHAPE_TIMEOUT=110 SHAPE_BUDGET=80 DEADLINE=330 \
       bash scripts/device_bench.sh > /dev/null 2>&1
     grep -E "^== " "$OUT/bench.log" ;;
   bench)

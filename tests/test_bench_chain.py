@@ -33,3 +33,10 @@ def test_chain_from_weights_matches_the_dequantized_copy(gen, one_rank_group, fm
         d13 = per_expert.w13.float() * per_expert.s13.unsqueeze(-1)
         err = ((d13 - weights.dequantize()[0]).norm() / weights.dequantize()[0].norm()).item()
         assert 0 < err < 0.05
+
+
+def test_chain_without_local_experts_is_refused(gen, one_rank_group):
+    w13 = torch.randn(1, 256, 128, generator=gen)
+    weights = ExpertWeights.from_float(w13, torch.randn(1, 128, 128, generator=gen), "bf16").experts(0, 0)
+    with pytest.raises(ValueError, match="at least one local expert, got 0"):
+        UnfusedChain.from_weights(weights, "bf16", one_rank_group)

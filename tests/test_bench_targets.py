@@ -120,14 +120,18 @@ def test_bf16_has_no_sglang_criterion_and_missing_paths_are_not_judged():
     assert [c.met for c in e["criteria"]] == [True, None, None]
     assert "x sglang: n/a" in targets.markdown([e])
     # what did not run is not met: the case counts apart, as met on what was measured
-    assert not e["met"] and e["met_measured"] and e["unmeasured"] == ["x sglang", "x chain (e2e)"]
+    assert not e["met"] and not e["failed"] and e["unmeasured"] == ["x sglang", "x chain (e2e)"]
     text = targets.markdown([e])
     assert "| not measured: x sglang, x chain (e2e) |" in text
     assert "0 of 1 cases meet every criterion" in text
-    assert "1 more meet every criterion that was measured (not measured: x chain (e2e), x sglang)" in text
+    assert "1 more miss no criterion that was measured (not measured: x chain (e2e), x sglang)" in text
+    assert targets.highlights([], [e])[-1].endswith("; missed:")  # not listed as a miss
     # a missed criterion beside an unmeasured one fails the case outright
     (e,) = targets.evaluate(_case(128, 100.0, 80.0, chain=600.0))
-    assert not e["met"] and not e["met_measured"]
+    assert not e["met"] and [c.name for c in e["failed"]] == ["roofline frac"]
+    # nothing measured at all (no roofline, no baselines): not measured, not a miss
+    (e,) = targets.evaluate(_case(128, 100.0, None))
+    assert not e["met"] and not e["failed"] and "| not measured: roofline frac, x sglang, x chain (e2e) |" in targets.markdown([e])
 
 
 def test_failed_or_absent_megamoe_rows_give_no_verdict():

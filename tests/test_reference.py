@@ -112,5 +112,7 @@ def test_per_expert_bad_input(gen):
         reference.moe_forward_per_expert(x, idx, w, 4, weights.dequantize_expert)
     with pytest.raises(ValueError, match="expert 6 is outside"):
         weights.dequantize_expert(6)
+    with pytest.raises(ValueError, match=r"expert \d+: weights of dtype torch.float8_e4m3fn"):
+        reference.moe_forward_per_expert(x, idx, w, 6, lambda e: (weights.w13[e], weights.w2[e]))
     with pytest.raises(ValueError, match=r"do not fit hidden 256"):
         reference.moe_forward_per_expert(x, idx, w, 6, lambda e: (w13[e][:, :128], w2[e]))

@@ -350,6 +350,7 @@ def test_other_ep_sizes_take_the_nearest_entry_by_rows_per_expert(clean_env, tmp
     assert tu.choose(V4, "fp8-block", 1, 1025) == Choice("wgmma", 3, 32)
     assert tu.table_entry(V4, "fp8-block", 4)[1] == 8   # 2 and 8 are as near to 4: the larger
     assert tu.table_entry(V4, "fp8-block", 3)[1] == 2
+    assert tu.table_entry(V4, "fp8-block", 16)[1] == 8
 
 
 def test_packaged_table_at_ep1_follows_the_ep2_rows_per_expert(clean_env):

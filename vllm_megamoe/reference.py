@@ -103,6 +103,9 @@ def moe_forward_per_expert(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
     token_of = torch.arange(t, device=x.device).repeat_interleave(k)
     for expert in torch.unique(flat_idx[flat_idx >= 0]).tolist():
         w13e, w2e = expert_weights(expert)
+        require(w13e.dtype in FLOAT_WEIGHT_DTYPES and w2e.dtype in FLOAT_WEIGHT_DTYPES,
+                f"expert {expert}: weights of dtype {w13e.dtype} / {w2e.dtype}: give dequantized "
+                "ones (ExpertWeights.dequantize_expert)")
         require(w13e.dim() == 2 and w13e.shape[1] == h and w2e.shape == (h, w13e.shape[0] // 2),
                 f"expert {expert}: w13 {tuple(w13e.shape)} and w2 {tuple(w2e.shape)} do not fit "
                 f"hidden {h} (want [2I, {h}] and [{h}, I])")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,7 +308,8 @@ def table_entry(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[list, int]:
     others = [k[5] for k in table if k[:5] == entry_key(shape, fmt, num_ranks)[:5]]
     if not others:
         return [], 0
-    ranks = min(others, key=lambda r: (abs(math.log(r / num_ranks)), -r))
+    # nearest by ratio, compared exactly: r / n against n / r as a fraction over 1
+    ranks = min(others, key=lambda r: (Fraction(max(r, num_ranks), min(r, num_ranks)), -r))
     return table[entry_key(shape, fmt, ranks)], ranks
 
 
