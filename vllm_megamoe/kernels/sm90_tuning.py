@@ -301,16 +301,22 @@ def table_entry(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[list, int]:
     whose buckets then apply by expected rows per local expert (tokens per rank x EP size / the
     entry's EP size: the tile crossovers follow the rows per expert, kernel_notes v38); ([], 0)
     without one."""
-    table = load_table()
-    own = table.get(entry_key(shape, fmt, num_ranks))
-    if own:
-        return own, num_ranks
-    others = [k[5] for k in table if k[:5] == entry_key(shape, fmt, num_ranks)[:5]]
+    path = table_path()
+    return ([], 0) if path is None else _entry_in(str(path), entry_key(shape, fmt, num_ranks))
+
+
+@functools.lru_cache(maxsize=256)
+def _entry_in(path: str, key: tuple) -> tuple[list, int]:  # once per table and layer: the op asks on every call
+    table = _load(path)
+    if table.get(key):
+        return table[key], key[5]
+    others = [k[5] for k in table if k[:5] == key[:5]]
     if not others:
         return [], 0
     # nearest by ratio, compared exactly: r / n against n / r as a fraction over 1
-    ranks = min(others, key=lambda r: (Fraction(max(r, num_ranks), min(r, num_ranks)), -r))
-    return table[entry_key(shape, fmt, ranks)], ranks
+    n = key[5]
+    ranks = min(others, key=lambda r: (Fraction(max(r, n), min(r, n)), -r))
+    return table[key[:5] + (ranks,)], ranks
 
 
 def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[tuple]:
