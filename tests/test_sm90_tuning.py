@@ -324,18 +324,20 @@ def test_fp8_auto_tile_stays_below_128_under_two_forced_stages(clean_env):
 
 def test_other_ep_sizes_take_the_nearest_entry_by_rows_per_expert(clean_env, tmp_path):
     """An EP size without its own entry uses the layer's entry at the nearest EP size, its buckets
-    read in rows per local expert: 512 tokens per rank at EP2 are 1024 at EP1 and 256 at EP4."""
+    read in rows per local expert (512 tokens per rank at EP2 are 1024 at EP1 and 256 at EP4),
+    their tiles kept and the heuristic's mainloop and depth in place of the entry's."""
     import yaml
     ep2 = [{"max_tokens": 512, "mainloop": "tma", "stages": 5, "tile": 32},
            {"max_tokens": 1 << 20, "mainloop": "tma", "stages": 4, "tile": 64}]
     path = _table(tmp_path, ep2)
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(path))
     assert tu.table_entry(V4, "fp8-block", 1)[1] == 2 and tu.table_entry(V4, "bf16", 1) == ([], 0)
-    assert tu.choose(V4, "fp8-block", 1, 1024) == Choice("tma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 2, 512) == Choice("tma", 5, 32)  # its own EP size: as written
+    assert tu.choose(V4, "fp8-block", 1, 1024) == Choice("tma", 4, 32)
     assert tu.choose(V4, "fp8-block", 1, 1025) == Choice("tma", 4, 64)
-    assert tu.choose(V4, "fp8-block", 4, 256) == Choice("tma", 5, 32)
+    assert tu.choose(V4, "fp8-block", 4, 256) == Choice("tma", 4, 32)
     assert tu.choose(V4, "fp8-block", 4, 257) == Choice("tma", 4, 64)
-    assert tu.choices(V4, "fp8-block", 1) == [Choice("tma", 5, 32), Choice("tma", 4, 64)]
+    assert tu.choices(V4, "fp8-block", 1) == [Choice("tma", 4, 32), Choice("tma", 4, 64)]
     # its own entry wins; of two other EP sizes the nearer, the larger of two as near
     doc = yaml.safe_load(path.read_text())
     shape = doc["entries"][0]["shape"]
@@ -349,6 +351,7 @@ def test_other_ep_sizes_take_the_nearest_entry_by_rows_per_expert(clean_env, tmp
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(more))
     assert tu.choose(V4, "fp8-block", 1, 1025) == Choice("wgmma", 3, 32)
     assert tu.table_entry(V4, "fp8-block", 4)[1] == 8   # 2 and 8 are as near to 4: the larger
+    assert tu.choose(V4, "fp8-block", 4, 100) == Choice("tma", 4, 32)  # EP8's 3 stages not carried
     assert tu.table_entry(V4, "fp8-block", 3)[1] == 2
     assert tu.table_entry(V4, "fp8-block", 16)[1] == 8
 
@@ -363,3 +366,8 @@ def test_packaged_table_at_ep1_follows_the_ep2_rows_per_expert(clean_env):
     assert tu.choose(DSV3, "fp8-block", 1, 512).tile == 32
     assert tu.choose(qwen3, "fp8-block", 1, 512).tile == 32
     assert tu.choose(V4, "fp8-block", 1, 1536).tile == 64
+    # the EP2 entry's 5-stage middle bucket (257-724 tokens) is not carried: 4 stages, 32-token
+    # tiles up to 1448 tokens at EP1 (1.012x the time with 5 at 1024 tokens on an H100, v39)
+    assert tu.choose(V4, "fp8-block", 1, 1024) == Choice("tma", 4, 32)
+    assert [(b[0], b[1]) for b in tu.table_entry(V4, "fp8-block", 1)[0]] == \
+        [(724, Choice("tma", 4, 32)), (1 << 20, Choice("tma", 4, 64))]

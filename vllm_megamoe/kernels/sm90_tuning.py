@@ -8,7 +8,8 @@ Three sources, strongest first:
    bucket of tokens per rank (a tile of TILE_64_OR_128 where the probes did not time the 128-token
    build: the model below picks), written by `python -m benchmarks.tune_sm90` from kernel_probe runs
    (read once per process: the op consults it on every call). A layer without an entry at its EP
-   size takes the entry of the nearest EP size, by expected rows per local expert (table_entry);
+   size takes the tiles of the nearest EP size's entry, by expected rows per local expert, with the
+   heuristic's mainloop and depth (table_entry);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
    AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles where a
@@ -299,8 +300,9 @@ def table_entry(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[list, int]:
     """(buckets, ranks) of the table entry that serves this layer at EP size num_ranks: its own, or
     else the same layer and format's entry at the nearest EP size (the larger of two as near),
     whose buckets then apply by expected rows per local expert (tokens per rank x EP size / the
-    entry's EP size: the tile crossovers follow the rows per expert, kernel_notes v38); ([], 0)
-    without one."""
+    entry's EP size: the tile crossovers follow the rows per expert, kernel_notes v38) with the
+    heuristic's mainloop and depth (a depth measured at one EP size did not carry over: the EP2
+    entry's 5 stages took 1.003-1.012x the time of 4 at EP1, kernel_notes v39); ([], 0) without one."""
     path = table_path()
     return ([], 0) if path is None else _entry_in(str(path), entry_key(shape, fmt, num_ranks))
 
@@ -316,7 +318,20 @@ def _entry_in(path: str, key: tuple) -> tuple[list, int]:  # once per table and 
     # nearest by ratio, compared exactly: r / n against n / r as a fraction over 1
     n = key[5]
     ranks = min(others, key=lambda r: (Fraction(max(r, n), min(r, n)), -r))
-    return table[key[:5] + (ranks,)], ranks
+    return _tiles_only(table[key[:5] + (ranks,)]), ranks
+
+
+def _tiles_only(buckets: list) -> list:
+    """A borrowed entry's buckets with the heuristic's mainloop and stages, their tiles kept;
+    neighbours that become the same merge (the larger max_tokens)."""
+    out: list = []
+    for max_tokens, choice, rule in buckets:
+        bucket = (max_tokens, Choice(HEURISTIC.mainloop, HEURISTIC.stages, choice.tile), rule)
+        if out and out[-1][1:] == bucket[1:]:
+            out[-1] = bucket
+        else:
+            out.append(bucket)
+    return out
 
 
 def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Optional[tuple]:
