@@ -153,6 +153,10 @@ def test_auto_tile_follows_rows_per_expert(clean_env):
     # EP2: 1024 tokens per rank x 2 ranks x top-6 / 256 experts = 48 rows per expert.
     assert tu.choose(V4, "fp8-block", 2, 1024).tile == 64 and tu.choose(V4, "fp8-block", 2, 1023).tile == 32
     assert tu.choices(V4, "fp8-block", 2) == [Choice("tma", 4, 32), Choice("tma", 4, 64), Choice("tma", 4, 128)]
+    # BF16 from 24 rows (one H100, EP1, v39: 64 faster at 24 rows in all three standard layers,
+    # a tie at 18): V4-Flash-like EP1 1024 tokens = 24 rows, 1023 below
+    assert tu.choose(V4, "bf16", 1, 1024) == Choice("tma", 4, 64) and tu.choose(V4, "bf16", 1, 1023).tile == 32
+    assert tu.choose(V4, "fp8-block", 1, 1024).tile == 32 and tu.choose(DSV3, "bf16", 1, 768).tile == 64
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
     assert tu.choose(V4, "fp8-block", 2, 1024) == Choice("wgmma", 4, 64)
     clean_env.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "smem")  # auto never picks 64 without wgmma

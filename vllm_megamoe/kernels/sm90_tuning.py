@@ -12,7 +12,7 @@ Three sources, strongest first:
    heuristic's mainloop and depth (table_entry);
 3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
    probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
-   AUTO_TILE_ROWS_PER_EXPERT expected rows per local expert, else 32; 128-token tiles where a
+   AUTO_TILE_ROWS_PER_EXPERT[fmt] expected rows per local expert, else 32; 128-token tiles where a
    padding-aware model prefers them (prefers_128; FP8 with the tma mainloop only).
 Per call, too: whether the weight copies take an L2 evict-first policy (weights_evict_first_call; the
 32-token builds compile it in, weights_evict_first_build), by tokens per rank and the layer's size.
@@ -38,8 +38,12 @@ MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
 # WGMMA_MAINLOOPS: swizzled stages + wgmma, 64- and 128-token tiles possible; TMA_MAINLOOPS: stages
 # filled by TMA, the launch passes tensor maps.
 TILES = (32, 64, 128)
-AUTO_TILE_ROWS_PER_EXPERT = 48  # tile "auto": 64 from this many expected rows per local expert
-# Tile "auto", 64 or 128 (from AUTO_TILE_ROWS_PER_EXPERT rows): the one with fewer task-times per
+# Tile "auto": 64 from this many expected rows per local expert, per format. FP8: 48 (its measured
+# crossovers lie at 23-45 rows by layer: the EP2 table's entries hold them). BF16: 24 (one H100,
+# EP1, docs/kernel_notes.md v39: 64 over 32 took 0.987-0.995x the time at 24 rows in all three
+# standard layers, 0.87-0.975x at 32-36, 1.001x at 18).
+AUTO_TILE_ROWS_PER_EXPERT = {"fp8-block": 48, "bf16": 24}
+# Tile "auto", 64 or 128 (from AUTO_TILE_ROWS_PER_EXPERT[fmt] rows): the one with fewer task-times per
 # expert, with an expert's rows Poisson-distributed around the call's expected rows per local expert
 # (uniform routing) and every block costing a whole task. Task times in units of a 64-token task,
 # measured on one H200 at EP1 (kernel_probe task spans, docs/kernel_notes.md v23, after v21-v22's
@@ -189,11 +193,11 @@ def weights_evict_first_call(num_tokens: int, shape: MoEShape, fmt: str, num_ran
 
 def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str,
               stages: Optional[int] = None) -> int:
-    """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT, 128
+    """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT[fmt], 128
     where prefers_128 (BF16, and FP8 with the tma mainloop), else 32."""
     if mainloop not in WGMMA_MAINLOOPS:
         return 32
-    if expected_rows_per_expert(shape, num_tokens, num_ranks) < AUTO_TILE_ROWS_PER_EXPERT:
+    if expected_rows_per_expert(shape, num_tokens, num_ranks) < AUTO_TILE_ROWS_PER_EXPERT[fmt]:
         return 32
     return wide_tile(shape, fmt, num_tokens, num_ranks, mainloop, stages)
 

@@ -147,7 +147,7 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("sm90_token_tile", _choice("32", "64", "128", "auto"), None,
         "Rows per token block of the SM90 kernel's GEMM tasks, overriding the tuning table: 32, 64 "
         "or 128 (wgmma / tma only; each weight tile streamed 2x / 4x less often in prefill; 128 "
-        "runs at most 4 stages) or auto (64 from 48 expected rows per expert).", core_env=True),
+        "runs at most 4 stages) or auto (64 from 48 expected rows per expert in FP8, 24 in BF16).", core_env=True),
     Key("sm90_tuning", _text, None,
         "YAML tuning table of the SM90 kernel (default: the packaged configs/sm90_mega_moe.yaml).",
         core_env=True),
