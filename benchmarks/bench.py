@@ -304,6 +304,13 @@ def _open_paths(cfg: BenchConfig, shape, fmt, weights, buf, group, max_tokens, r
     return opened, notes
 
 
+def sm90_build_label(shape, fmt: str, world: int, tokens: int) -> str:
+    """mainloop/stages/tile of the SM90 build a call of `tokens` per rank runs (sm90_tuning.choose,
+    as the op asks it), recorded per case so a results file says which build each figure is."""
+    from vllm_megamoe.kernels import sm90_tuning
+    return sm90_tuning.choose(shape, fmt, world, tokens).label()
+
+
 def shape_name_of(shape) -> str:
     return f"{shape.hidden}x{shape.intermediate}x{shape.num_experts}x{shape.topk}"
 
@@ -339,6 +346,8 @@ def _run_shape_format(rank, world, group, cfg, spec, fmt, record):
                 for path in paths:
                     rec = _measure_path(path, sets, ref, cfg, group)
                     extra = dict(selected=selected) if path.name == "megamoe" else {}
+                    if path.name == "megamoe" and selected == "sm90":  # the build the op picks for this call
+                        extra["build"] = sm90_build_label(shape, fmt, world, tokens)
                     record("case", **case, path=path.name, **extra, **rec,
                            traffic_sets=traffic if rank == 0 else None)
                     if path.name == "portable" and "megamoe" in cfg.paths and selected == "portable":

@@ -375,3 +375,14 @@ def test_packaged_table_at_ep1_follows_the_ep2_rows_per_expert(clean_env):
     assert tu.choose(V4, "fp8-block", 1, 1024) == Choice("tma", 4, 32)
     assert [(b[0], b[1]) for b in tu.table_entry(V4, "fp8-block", 1)[0]] == \
         [(724, Choice("tma", 4, 32)), (1 << 20, Choice("tma", 4, 64))]
+
+
+def test_benchmark_records_the_build_the_op_picks(clean_env):
+    """benchmarks.bench labels each fused-kernel case with the build choose() gives the op for that
+    call, environment overrides included, so a results file says which build each figure is."""
+    from benchmarks.bench import sm90_build_label
+    assert sm90_build_label(V4, "bf16", 1, 1024) == "tma/4/64"
+    assert sm90_build_label(V4, "bf16", 1, 1023) == "tma/4/32"
+    assert sm90_build_label(DSV3, "fp8-block", 2, 8192) == tu.choose(DSV3, "fp8-block", 2, 8192).label() == "tma/4/128"
+    clean_env.setenv("VLLM_MEGAMOE_SM90_STAGES", "5")
+    assert sm90_build_label(V4, "bf16", 1, 8) == "tma/5/32"
