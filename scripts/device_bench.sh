@@ -5,6 +5,8 @@
 # clocks.csv (SM and memory clocks, power and temperature per second).
 # Usage on the device machine, from the repository root:
 #     MEGAMOE_COMMIT=<sha> bash scripts/device_bench.sh          (carry: .whl for the SGLang baseline)
+# Write the sha out, from this machine: on the device, `git rev-parse HEAD` gave the session's base
+# commit, not the commit of the tree that travelled (v39).
 # Knobs (environment): GPUS, SHAPES, TOKENS, FORMATS, ITERS, SHAPE_TIMEOUT (s per shape), SHAPE_BUDGET.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
