@@ -346,7 +346,7 @@ def test_other_ep_sizes_take_the_nearest_entry_by_rows_per_expert(clean_env, tmp
     doc = yaml.safe_load(path.read_text())
     shape = doc["entries"][0]["shape"]
     one = [{"max_tokens": 1 << 20, "mainloop": "wgmma", "stages": 3, "tile": 32}]
-    eight = [{"max_tokens": 1 << 20, "mainloop": "tma", "stages": 3, "tile": 32}]
+    eight = [{"max_tokens": 1 << 20, "mainloop": "wgmma", "stages": 3, "tile": 32}]
     doc["entries"] += [{"shape": shape, "format": "fp8-block", "ranks": 1, "buckets": one},
                        {"shape": shape, "format": "fp8-block", "ranks": 8, "buckets": eight}]
     (tmp_path / "more").mkdir()
@@ -355,7 +355,7 @@ def test_other_ep_sizes_take_the_nearest_entry_by_rows_per_expert(clean_env, tmp
     clean_env.setenv("VLLM_MEGAMOE_SM90_TUNING", str(more))
     assert tu.choose(V4, "fp8-block", 1, 1025) == Choice("wgmma", 3, 32)
     assert tu.table_entry(V4, "fp8-block", 4)[1] == 8   # 2 and 8 are as near to 4: the larger
-    assert tu.choose(V4, "fp8-block", 4, 100) == Choice("tma", 4, 32)  # EP8's 3 stages not carried
+    assert tu.choose(V4, "fp8-block", 4, 100) == Choice("tma", 4, 32)  # EP8's wgmma, 3 stages not carried
     assert tu.table_entry(V4, "fp8-block", 3)[1] == 2
     assert tu.table_entry(V4, "fp8-block", 16)[1] == 8
 
