@@ -42,8 +42,8 @@
 #   STEP=nvl_stores the FP8 128-token L2 epilogue's 64-byte peer stores at EP2: with and without them (2 GPUs)
 #   STEP=wg128   the 128-token epilogue warpgroup (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128, v31): its GPU
 #                tests, racecheck of its cases, and the A/B that tells its two costs apart (one GPU)
-#   STEP=candidates every candidate tree in .probe_cand/ (scripts/candidate_trees.sh: the patches kept in
-#                benchmarks/results/) against this tree, one GPU: one process per shape timing this tree
+#   STEP=candidates every candidate tree in .probe_cand/ (scripts/candidate_trees.sh: the patches in PATCHES;
+#                the kept ones are in git history at 63d314b) against this tree, one GPU: one process per shape timing this tree
 #                and every tree (VARIANTS, default "default csrc=<tree>/csrc ..."; outputs must match bit
 #                for bit), each tree's one-GPU kernel tests, then memcheck and racecheck of each tree,
 #                within BUDGET s (PARTS / CANDS pick parts and trees; carry [".probe_jit/cand",

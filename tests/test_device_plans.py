@@ -98,11 +98,11 @@ CANDIDATES = SCRIPT.parent / "candidate_trees.sh"
 
 
 def applied_patches() -> list[pathlib.Path]:
-    """The patches scripts/precompile_for_device.sh applies to a copy of csrc/ (`git apply ... X.patch`),
-    and the candidates scripts/candidate_trees.sh applies by default (STEP=candidates)."""
+    """The patches scripts/precompile_for_device.sh applies to a copy of csrc/ (`git apply ... X.patch`).
+    scripts/candidate_trees.sh applies only the patches PATCHES names: the candidates once kept in
+    benchmarks/results/ are in git history (test_candidate_trees_names_the_patches_in_git_history)."""
     root = SCRIPT.parent.parent
     found = re.findall(r"git apply [^\n]*?(\S+\.patch)", PRECOMPILE.read_text())
-    found += re.findall(r"benchmarks/results/[\w./-]+?\.patch", CANDIDATES.read_text())
     return [root / p for p in dict.fromkeys(found)]
 
 
@@ -121,3 +121,25 @@ def test_the_plans_patches_apply_to_csrc(tmp_path):
         # outside any repository git apply patches paths relative to the working directory
         done = subprocess.run(["git", "apply", "--check", "-p1", str(patch)], cwd=tree, capture_output=True, text=True)
         assert done.returncode == 0, f"{patch.name} does not apply to csrc/: {done.stderr}"
+
+
+def test_candidate_trees_names_the_patches_in_git_history():
+    """Without PATCHES, scripts/candidate_trees.sh touches nothing and exits 2 with the `git show <sha>:path`
+    commands that get the candidate patches benchmarks/results/ used to hold; each path is in that commit
+    (checked where the clone has it)."""
+    import os
+    import subprocess
+    root = SCRIPT.parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "PATCHES"}
+    done = subprocess.run(["bash", str(CANDIDATES)], env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "in git history at" in done.stdout
+    shows = re.findall(r"git show (\w+):(\S+\.patch)", done.stdout)
+    assert len(shows) == 4 and all(path.startswith("benchmarks/results/") for _, path in shows), done.stdout
+    for sha, path in shows:
+        assert not (root / path).exists(), path
+        have = subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=root, capture_output=True)
+        if have.returncode != 0:
+            pytest.skip(f"{sha} is not in this clone")
+        there = subprocess.run(["git", "cat-file", "-e", f"{sha}:{path}"], cwd=root, capture_output=True)
+        assert there.returncode == 0, f"{path} is not in {sha}"

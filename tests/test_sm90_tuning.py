@@ -114,8 +114,9 @@ def test_expected_task_times_is_the_poisson_mean_of_the_block_costs():
         tu.expected_task_times(10.0, 32)
 
 
-# kernel_probe graph times on one H200 (EP1; benchmarks/results/tile_crossover_v23/): the faster of
-# tile=64 / tile=128 where they differ by more than 2 % (shape, tokens per rank, format, winner).
+# kernel_probe graph times on one H200 (EP1; benchmarks/results/tile_crossover_v23/, in git history
+# at 63d314b): the faster of tile=64 / tile=128 where they differ by more than 2 % (shape, tokens per
+# rank, format, winner).
 MEASURED_TILE_WINNERS = (
     ("v4-flash", 2048, "fp8-block", 64), ("v4-flash", 4096, "fp8-block", 128),
     ("deepseek-v3", 2048, "fp8-block", 128), ("deepseek-v3", 4096, "fp8-block", 128),

@@ -53,7 +53,8 @@ AUTO_TILE_ROWS_PER_EXPERT = {"fp8-block": 48, "bf16": 24}
 # 1.12 / 1.01 at 48 rows, 0.95-1.00 / 0.90-0.91 at 64, 0.87 / 0.84 at 96, 0.88-0.93 / 0.92-0.94 at
 # 128, 0.98 / 0.97 at 192, 0.88-0.89 / 0.90-0.92 at 256, 0.86 / 0.88 at 512 rows per expert).
 # Checked again in steady state after v26's zero padding rows (kernel_notes v27, FP8 at 24-96 rows
-# per expert, benchmarks/results/tile_crossover_v27): the model still picks the faster side or a tie.
+# per expert, benchmarks/results/tile_crossover_v27, in git history at 63d314b): the model still
+# picks the faster side or a tie.
 # FP8 128-token tiles: tma only. The EP2 table's FP8 entries predate the FP8 128-token build: their
 # prefill buckets say TILE_64_OR_128 (below), so this model picks there too.
 TILE_128_TASK_TIME = 1.6
