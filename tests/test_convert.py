@@ -187,7 +187,7 @@ def test_single_file_source_and_cli(tmp_path, capsys):
     src = str(tmp_path / "src")
     make_checkpoint(src, "mixtral", layers=2, shards=1)
     dst = str(tmp_path / "dst")
-    assert cli_main(["convert", src, dst, "--arch", "sm90", "--no-progress"]) == 0
+    assert cli_main(["convert", src, dst, "--arch", "sm90", "--format", "fp8-block", "--no-progress"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert cli_main(["verify", dst, "--source", src, "--samples", "4"]) == 0
     assert "verify OK" in capsys.readouterr().out
@@ -201,7 +201,8 @@ def test_single_file_source_and_cli(tmp_path, capsys):
     assert cli_main(["convert", src, dst, "--arch", "sm90", "--no-progress"]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert cli_main(["convert", src, dst, "--arch", "sm100", "--overwrite", "--no-progress"]) == 0
-    assert read_megamoe_marker(json.load(open(os.path.join(dst, "config.json"))))["arch"] == "sm100"
+    marker = read_megamoe_marker(json.load(open(os.path.join(dst, "config.json"))))
+    assert (marker["arch"], marker["format"]) == ("sm100", "bf16")  # a BF16 source stays BF16
     # a converted checkpoint is not a source
     assert cli_main(["convert", dst, str(tmp_path / "again"), "--arch", "sm90"]) == 2
     assert "already converted" in capsys.readouterr().err
@@ -210,8 +211,8 @@ def test_single_file_source_and_cli(tmp_path, capsys):
 def test_output_is_deterministic(sources, tmp_path):
     src, _ = sources["deepseek-fp8"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    convert_checkpoint(src, a, arch="sm100", workers=1, max_shard_bytes=300_000, **QUIET)
-    convert_checkpoint(src, b, arch="sm100", workers=3, chunk_bytes=50_000,
+    convert_checkpoint(src, a, arch="sm100", fmt="mxfp4", workers=1, max_shard_bytes=300_000, **QUIET)
+    convert_checkpoint(src, b, arch="sm100", fmt="mxfp4", workers=3, chunk_bytes=50_000,
                        max_shard_bytes=300_000, **QUIET)
     assert file_digests(a) == file_digests(b)
 
@@ -239,10 +240,10 @@ def test_shards_and_checksums(sources, tmp_path):
 
 # -- verify ---------------------------------------------------------------------------------
 
-def _converted(sources, tmp_path, convention="qwen", arch="sm90"):
+def _converted(sources, tmp_path, convention="qwen", arch="sm90", fmt=None):
     src, _ = sources[convention]
     dst = str(tmp_path / "out")
-    convert_checkpoint(src, dst, arch=arch, max_shard_bytes=300_000, **QUIET)
+    convert_checkpoint(src, dst, arch=arch, fmt=fmt, max_shard_bytes=300_000, **QUIET)
     with open(os.path.join(dst, "model.safetensors.index.json")) as f:
         return src, dst, json.load(f)
 
@@ -458,6 +459,120 @@ def test_bad_options(sources, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+# -- data safety: --overwrite, default format, corrupt checkpoints (issue 53) -----------------
+
+def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(sources, tmp_path, capsys):
+    """--overwrite replaces only a checkpoint (or a converter's partial output): someone's
+    directory is refused with a message and left exactly as it was."""
+    src, _ = sources["mixtral"]
+    dst = tmp_path / "notes"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("my notes\n")
+    (dst / "sub").mkdir()
+    (dst / "sub" / "data.bin").write_bytes(b"x" * 10)
+    before = file_digests(str(dst))
+    assert cli_main(["convert", src, str(dst), "--arch", "sm90", "--overwrite", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: DST {dst} is not a checkpoint that --overwrite may replace: it holds notes.txt, sub, "
+                   "not a checkpoint (config.json with *.safetensors weights). --overwrite replaces only an "
+                   "earlier conversion or another model checkpoint; nothing was changed. Remove it yourself or "
+                   "choose another DST\n")
+    assert file_digests(str(dst)) == before and sorted(os.listdir(tmp_path)) == ["notes"]
+    with pytest.raises(ValueError, match="is not a checkpoint that --overwrite may replace"):
+        convert_checkpoint(src, str(dst), arch="sm90", overwrite=True, **QUIET)
+    assert file_digests(str(dst)) == before
+    # a config.json alone is no checkpoint either; a file is no directory
+    (dst / "config.json").write_text("{}")
+    assert cli_main(["convert", src, str(dst), "--arch", "sm90", "--overwrite", "--no-progress"]) == 2
+    assert "it holds config.json, notes.txt, sub" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert cli_main(["convert", src, str(tmp_path / "file"), "--arch", "sm90", "--overwrite"]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "x"
+    # what --overwrite does replace: an earlier conversion (also a corrupt one), a HF checkpoint, nothing
+    out = str(tmp_path / "out")
+    convert_checkpoint(src, out, arch="sm90", fmt="bf16", **QUIET)
+    os.remove(os.path.join(out, sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))[0]))
+    convert_checkpoint(src, out, arch="sm90", fmt="fp8-block", overwrite=True, **QUIET)
+    assert verify_checkpoint(out, **QUIET) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert_checkpoint(src, str(empty), arch="sm90", overwrite=True, **QUIET)
+    assert verify_checkpoint(str(empty), **QUIET) == []
+
+
+def test_default_format_keeps_the_source_precision(sources, tmp_path, capsys):
+    """Without --format, BF16 experts stay BF16 and FP8-block experts stay FP8-block; quantizing
+    takes an explicit --format, and the command lists every tensor it quantized."""
+    bf16_src, _ = sources["qwen"]
+    out = str(tmp_path / "bf16")
+    assert cli_main(["convert", bf16_src, out, "--arch", "sm90", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "expert precision kept: bf16 experts stored as bf16, no tensor quantized" in captured.out
+    assert read_megamoe_marker(json.load(open(os.path.join(out, "config.json"))))["format"] == "bf16"
+    assert load_all(out)["model.layers.1.mlp.experts.w13_weight"].dtype == torch.bfloat16
+    fp8_src, _ = sources["deepseek-fp8"]
+    out = str(tmp_path / "fp8")
+    assert cli_main(["convert", fp8_src, out, "--arch", "sm90", "--no-progress"]) == 0
+    assert "no tensor quantized" in capsys.readouterr().out
+    assert read_megamoe_marker(json.load(open(os.path.join(out, "config.json"))))["format"] == "fp8-block"
+    # sm100 does not run FP8-block experts: the format must be chosen, nothing is written
+    out = str(tmp_path / "fp8-sm100")
+    assert cli_main(["convert", fp8_src, out, "--arch", "sm100", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the source's experts are FP8 128x128-block, which sm100 does not run as they are: pick the "
+        "format explicitly: --format mxfp4 (dequantized, then quantized to MXFP4 (E2M1 with UE8M0 scales per 32 "
+        "values)); --format bf16 (dequantized from FP8 to BF16)\n")
+    assert not os.path.exists(out)
+    # quantizing is explicit and listed
+    out = str(tmp_path / "q")
+    assert cli_main(["convert", bf16_src, out, "--arch", "sm90", "--format", "fp8-block", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert ("sm90 fp8-block: the experts of 3 MoE layer(s) are quantized to FP8 e4m3 with 128x128 block scales "
+            "(the source's are bf16); 6 tensors, listed when done") in captured.err
+    assert captured.out.splitlines()[-1] == (
+        "6 expert tensors quantized to FP8 e4m3 with 128x128 block scales (the source's are bf16): "
+        + ", ".join(f"model.layers.{n}.mlp.experts.{t}" for n in range(3) for t in ("w13_weight", "w2_weight")))
+    result = convert_checkpoint(bf16_src, str(tmp_path / "api"), arch="sm100", fmt="mxfp4", **QUIET)
+    assert result.precision_change.startswith("quantized to MXFP4") and len(result.changed_tensors) == 6
+
+
+def test_inspect_of_a_corrupt_checkpoint_is_an_error(tmp_path, capsys):
+    """A truncated shard, or an index naming a missing shard, is a non-zero exit, not a summary."""
+    src = str(tmp_path / "src")
+    make_checkpoint(src, "qwen", layers=2, shards=2)
+    assert cli_main(["inspect", src]) == 0
+    capsys.readouterr()
+    shard = os.path.join(src, sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[-1])
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1000)
+    assert cli_main(["inspect", src]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: {src} is corrupt or incomplete: tensor ")
+    assert captured.err.endswith(f"the file size {size - 1000}; the file is truncated or corrupt\n")
+    os.remove(shard)
+    assert cli_main(["inspect", src]) == 1
+    assert "which is missing from" in capsys.readouterr().err
+    # a converted checkpoint whose shard lost its expert tensors: also an error
+    src2 = str(tmp_path / "src2")
+    make_checkpoint(src2, "qwen", layers=2, shards=1)
+    dst = str(tmp_path / "dst")
+    convert_checkpoint(src2, dst, arch="sm90", **QUIET)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    config = json.load(open(os.path.join(dst, "config.json")))
+    config["megamoe"]["expert_modules"].append("model.layers.9.mlp.experts")
+    _write_json(os.path.join(dst, "config.json"), config)
+    assert cli_main(["inspect", dst]) == 1
+    assert ("is corrupt or incomplete: model.layers.9.mlp.experts: w13_weight/w2_weight missing"
+            in capsys.readouterr().err)
+    assert index["megamoe"]["sha256"]
+
+
 # -- marker helpers and sizes ----------------------------------------------------------------
 
 def test_marker_helpers():
@@ -487,7 +602,7 @@ def test_parse_size():
 
 
 def test_inspect_json_fields(sources, tmp_path):
-    src, dst, _ = _converted(sources, tmp_path, "deepseek-fp8", "sm100")
+    src, dst, _ = _converted(sources, tmp_path, "deepseek-fp8", "sm100", "mxfp4")
     info = inspect_checkpoint(dst)
     assert info["megamoe"]["format"] == "mxfp4" and info["checksummed_files"] == info["weight_files"]
     assert [(l["experts"], l["hidden"], l["intermediate"]) for l in info["layers"]] == [(4, 256, 128)] * 2

@@ -55,6 +55,19 @@ def shm_dir() -> str:
     return core_setting("shm_dir")
 
 
+def normalize_device(device) -> torch.device:
+    """`device` as tensors report theirs: a CUDA device always with its index ("cuda" is the
+    current device, torch.cuda.current_device()), a CPU device without one. torch.device("cuda")
+    != torch.device("cuda:0"), so a buffer made with "cuda" would refuse the cuda:0 tensors of
+    its own calls."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
+
+
 def shm_dir_problem() -> Optional[str]:
     """Why the CPU buffer's files cannot go to shm_dir(), or None."""
     path = shm_dir()
@@ -83,8 +96,8 @@ class SymmBuffer:
         self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
         require(0 < self.timeout_s < float("inf"), f"timeout_s={self.timeout_s} must be a positive, finite "
                 "number of seconds (VLLM_MEGAMOE_TIMEOUT_S)")
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if backend.startswith("cuda") else torch.device("cpu"))
+        self.device = normalize_device(device if device is not None else
+                                       "cuda" if backend.startswith("cuda") else "cpu")
         if backend == "auto":
             backend = "local" if self.num_ranks == 1 else (
                 "cuda" if self.device.type == "cuda" else "cpu")
@@ -149,7 +162,7 @@ class SymmBuffer:
         finally:
             os.close(fd)
         self._shm_path = path
-        atexit.register(self._unlink_own_file)
+        atexit.register(self._unlink_own_file)  # until it is unlinked (which unregisters it)
         paths = [None] * self.num_ranks
         dist.all_gather_object(paths, path, group=self.group)
         try:
@@ -220,6 +233,10 @@ class SymmBuffer:
             except FileNotFoundError:
                 pass
             self._shm_path = None
+            # The exit hook references this buffer: left registered, a buffer dropped without
+            # destroy() kept every peer's mapping until the process ended. Once the file is gone
+            # the hook has nothing left to do.
+            atexit.unregister(self._unlink_own_file)
 
     # -- access ------------------------------------------------------------------------------
     def view(self, name: str, rank: Optional[int] = None) -> torch.Tensor:

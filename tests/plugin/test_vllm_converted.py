@@ -42,3 +42,27 @@ def test_converted_checkpoint_refused_without_megamoe(tiny_models, tmp_path):
     assert run.returncode != 0
     assert "its expert weights are in the megamoe kernel layout" in run.stdout + run.stderr
     assert "Serve it with --moe-backend megamoe" in run.stdout + run.stderr
+
+
+def test_corrupt_converted_checkpoint_is_refused(tiny_models, tmp_path):
+    """One byte flipped in a shard: the sha256 check at load (VLLM_MEGAMOE_VERIFY_CHECKPOINT, on by
+    default) refuses the checkpoint, naming the shard, instead of serving it."""
+    src, dst = tiny_models["qwen3_moe"], str(tmp_path / "q-megamoe")
+    subprocess.run([sys.executable, "-m", "vllm_megamoe.cli", "convert", src, dst, "--arch", "sm90",
+                    "--format", "bf16", "--no-progress"], cwd=REPO, env=child_env(), check=True,
+                   capture_output=True, timeout=300)
+    shard = os.path.join(dst, "model-00001-of-00001.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    args = ('{"dtype": "bfloat16", "enforce_eager": true, "max_model_len": 256, "gpu_memory_utilization": 0.1, '
+            '"moe_backend": "megamoe"}')
+    run = subprocess.run([sys.executable, os.path.join(REPO, "tests", "plugin", "vllm_helpers.py"), "generate", dst,
+                          args], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0 and "RESULT_JSON" not in run.stdout
+    assert (f"megamoe: the converted checkpoint {dst} does not match the sha256 checksums of its index, so it is not "
+            "loaded: model-00001-of-00001.safetensors: sha256 mismatch (index has ") in log, log[-4000:]
+    assert "VLLM_MEGAMOE_VERIFY_CHECKPOINT=0 loads it unchecked" in log

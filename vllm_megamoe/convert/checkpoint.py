@@ -19,7 +19,7 @@ from typing import Optional
 from .discovery import CONFIG_FILE, INDEX_FILE, SourceCheckpoint, open_source
 from .layouts import LAYOUT_VERSION
 from .marker import build_marker, converted_config
-from .plan import (DEFAULT_MAX_SHARD_BYTES, Plan, check_at_least, make_plan,
+from .plan import (DEFAULT_MAX_SHARD_BYTES, ExpertUnit, Plan, check_at_least, make_plan,
                    non_expert_linear_modules)
 from .safetensors_io import sha256_file
 from .writer import DEFAULT_CHUNK_BYTES, PARTIAL_SUFFIX, write_shards
@@ -38,6 +38,9 @@ class ConvertResult:
     source_bytes: int
     seconds: float
     resumed_shards: int = 0
+    source_format: Optional[str] = None
+    precision_change: Optional[str] = None   # layouts.precision_change: None when kept
+    changed_tensors: tuple = ()              # expert tensors whose precision changed
 
 
 def partial_dir_for(dst: str) -> str:
@@ -54,6 +57,23 @@ def dump_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def replaceable_checkpoint(path: str) -> Optional[str]:
+    """Why `--overwrite` may not replace the existing directory `path`, or None when it may: it
+    holds a checkpoint (config.json beside safetensors weights: an earlier conversion or a Hugging
+    Face checkpoint, intact or not), a converter's partial output (its state file), or nothing."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        return f"it cannot be listed ({exc})"
+    if not names or STATE_FILE in names:
+        return None
+    weights = INDEX_FILE in names or any(n.endswith(".safetensors") for n in names)
+    if CONFIG_FILE in names and os.path.isfile(os.path.join(path, CONFIG_FILE)) and weights:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"it holds {shown}, not a checkpoint ({CONFIG_FILE} with *.safetensors weights)"
+
+
 def _check_destination(source: SourceCheckpoint, dst: str, overwrite: bool) -> None:
     src = os.path.realpath(source.root)
     real = os.path.realpath(dst)
@@ -61,8 +81,15 @@ def _check_destination(source: SourceCheckpoint, dst: str, overwrite: bool) -> N
         raise ValueError(f"DST {dst} overlaps SRC {source.root}; choose a separate directory")
     if os.path.lexists(dst) and not overwrite:
         raise ValueError(f"DST {dst} already exists; pass --overwrite to replace it")
-    if os.path.lexists(dst) and not os.path.isdir(dst):
-        raise ValueError(f"DST {dst} exists and is not a directory; remove it first")
+    if os.path.lexists(dst) and (os.path.islink(dst) or not os.path.isdir(dst)):
+        raise ValueError(f"DST {dst} exists and is not a directory; --overwrite replaces only a "
+                         "checkpoint directory. Nothing was changed; remove it yourself or choose "
+                         "another DST")
+    why = replaceable_checkpoint(dst) if os.path.lexists(dst) else None
+    if why is not None:
+        raise ValueError(f"DST {dst} is not a checkpoint that --overwrite may replace: {why}. "
+                         "--overwrite replaces only an earlier conversion or another model "
+                         "checkpoint; nothing was changed. Remove it yourself or choose another DST")
 
 
 class _State:
@@ -159,6 +186,8 @@ def convert_checkpoint(src: str, dst: str, *, arch: str, fmt: Optional[str] = No
     plan = make_plan(source, arch, fmt, max_shard_bytes)
     dst = os.path.abspath(dst)
     _check_destination(source, dst, overwrite)
+    if plan.precision_change is not None:  # said before the work starts; the tensors are listed when done
+        log(describe_precision(plan))
     partial = partial_dir_for(dst)
     try:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -186,4 +215,16 @@ def convert_checkpoint(src: str, dst: str, *, arch: str, fmt: Optional[str] = No
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return ConvertResult(dst, plan.arch, plan.fmt, len(plan.shards), plan.total_bytes,
-                         source.total_bytes, time.perf_counter() - start, resumed)
+                         source.total_bytes, time.perf_counter() - start, resumed,
+                         plan.source_format, plan.precision_change, tuple(plan.changed_tensors))
+
+
+def describe_precision(plan: Plan) -> str:
+    """One line saying whether the experts keep the source's precision (logged before converting)."""
+    layers = sum(1 for s in plan.shards for u in s.units if isinstance(u, ExpertUnit))
+    if plan.precision_change is None:
+        return (f"{plan.arch} {plan.fmt}: the experts of {layers} MoE layer(s) keep the source's "
+                f"precision ({plan.source_format}); nothing is quantized")
+    return (f"{plan.arch} {plan.fmt}: the experts of {layers} MoE layer(s) are "
+            f"{plan.precision_change} (the source's are {plan.source_format}); "
+            f"{len(plan.changed_tensors)} tensors, listed when done")

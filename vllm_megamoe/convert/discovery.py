@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ..shape import CHANNEL_ALIGN
-from .safetensors_io import TensorInfo, read_header, read_into, read_tensor
+from .safetensors_io import CorruptCheckpointError, TensorInfo, read_header, read_into, read_tensor
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -180,7 +180,7 @@ def find_weight_files(root: str) -> list:
         files = sorted(set(weight_map.values()), key=natural_key)
         for rel in files:
             if not os.path.isfile(os.path.join(root, rel)):
-                raise ValueError(f"{INDEX_FILE} lists {rel}, which is missing from {root}")
+                raise CorruptCheckpointError(f"{INDEX_FILE} lists {rel}, which is missing from {root}")
         return files
     if os.path.isfile(os.path.join(root, SINGLE_FILE)):
         return [SINGLE_FILE]
@@ -216,7 +216,7 @@ def open_source(root: str) -> SourceCheckpoint:
         header, _ = read_header(os.path.join(root, rel))
         for name, info in header.items():
             if name in tensors:
-                raise ValueError(f"tensor {name!r} is stored twice ({rel} and "
+                raise CorruptCheckpointError(f"tensor {name!r} is stored twice ({rel} and "
                                  f"{os.path.basename(tensors[name].file)})")
             tensors[name] = info
     index_path = os.path.join(root, INDEX_FILE)
@@ -224,7 +224,7 @@ def open_source(root: str) -> SourceCheckpoint:
         # (find_weight_files has checked that weight_map is a non-empty object)
         for name, rel in load_json(index_path, "index")["weight_map"].items():
             if name not in tensors or tensors[name].file != os.path.join(root, rel):
-                raise ValueError(f"{INDEX_FILE} maps {name!r} to {rel}, which does not hold it")
+                raise CorruptCheckpointError(f"{INDEX_FILE} maps {name!r} to {rel}, which does not hold it")
     layers = discover_expert_layers(tensors, config)
     block = quantization_config(config, root).get("weight_block_size")
     if any(layer.is_fp8 for layer in layers) and block is not None and list(block) != [128, 128]:
@@ -307,7 +307,7 @@ def _per_expert_layer(prefix: str, entries: list) -> ExpertLayer:
             if e not in found:
                 base = role.replace("_scale", "")
                 kind = "weight_scale_inv" if role.endswith("_scale") else "weight"
-                raise ValueError(f"expert tensor {prefix}.{e}.{proj[base]}.{kind} is missing "
+                raise CorruptCheckpointError(f"expert tensor {prefix}.{e}.{proj[base]}.{kind} is missing "
                                  f"({num_experts} experts found under {prefix}); the checkpoint "
                                  "is incomplete")
         tensors[role] = [found[e] for e in range(num_experts)]
@@ -343,7 +343,7 @@ def _per_expert_layer(prefix: str, entries: list) -> ExpertLayer:
 def _stacked_layer(prefix: str, found: dict) -> ExpertLayer:
     for proj in ("gate_up_proj", "down_proj"):
         if proj not in found:
-            raise ValueError(f"expert tensor {prefix}.{proj} is missing (stacked experts need "
+            raise CorruptCheckpointError(f"expert tensor {prefix}.{proj} is missing (stacked experts need "
                              "both gate_up_proj and down_proj)")
     gate_up, down = found["gate_up_proj"], found["down_proj"]
     for info in (gate_up, down):

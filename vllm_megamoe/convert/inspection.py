@@ -5,7 +5,7 @@ import os
 
 from .discovery import CONFIG_FILE, FP8_SOURCE_DTYPE, find_weight_files, load_json, open_source, quantization_config
 from .marker import read_megamoe_marker
-from .safetensors_io import read_header
+from .safetensors_io import CorruptCheckpointError, read_header
 from .verify import load_converted_index
 
 MXFP4_VALUES_PER_BYTE = 2
@@ -45,7 +45,9 @@ def _converted_layers(root: str, marker: dict) -> list:
 
 
 def inspect_checkpoint(root: str) -> dict:
-    """Facts about the checkpoint at `root` (see format_inspection)."""
+    """Facts about the checkpoint at `root` (see format_inspection). Raises ValueError
+    (CorruptCheckpointError for truncated or malformed files) when the checkpoint cannot be read;
+    experts it does not recognise in readable files are reported in the summary instead."""
     root = os.path.abspath(root)
     config = load_json(os.path.join(root, CONFIG_FILE), "config.json")
     cfg = _text_config(config)
@@ -78,7 +80,9 @@ def inspect_checkpoint(root: str) -> dict:
                                "convention": l.stacked and f"stacked ({l.stacked})"
                                or "per expert"} for l in source.layers]
             info["layout"] = "checkpoint order, gate rows | up rows"
-        except ValueError as exc:
+        except CorruptCheckpointError:
+            raise  # truncated or malformed files: an error, not a summary
+        except ValueError as exc:  # readable, but experts the converter does not support
             info["layers"] = []
             info["layout"] = f"experts not recognised: {exc}"
     return info

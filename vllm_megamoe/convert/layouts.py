@@ -28,19 +28,55 @@ from ..weights import WEIGHT_BLOCK, ExpertWeights, transform_weights_for_mega_mo
 
 LAYOUT_VERSION = 1
 ARCH_FORMATS = {"sm90": ("fp8-block", "bf16"), "sm100": ("mxfp4", "bf16")}
-DEFAULT_FORMAT = {"sm90": "fp8-block", "sm100": "mxfp4"}
 MXFP4_GROUP = 32
+# What each format does to experts of each source precision (None: nothing, the values are kept).
+FLOAT_SOURCES = ("bf16", "f16", "f32")
 
 # Output tensor names under each experts module (vLLM FusedMoE parameter names).
 W13, W2 = "w13_weight", "w2_weight"
 SCALE_SUFFIX = {"fp8-block": "_scale_inv", "mxfp4": "_scale", "bf16": None}
 
 
-def check_arch_format(arch: str, fmt: Optional[str]) -> str:
-    """The format to use (the arch's default when fmt is None); ValueError when unsupported."""
+def default_format(arch: str, source_format: Optional[str]) -> str:
+    """The format that keeps the source experts' precision on `arch`: bf16 for float experts
+    (BF16, or F16 / F32 cast to BF16), fp8-block for FP8 128x128-block experts where the arch runs
+    it. Quantizing is never a default: where the arch does not run the source's precision (FP8 on
+    sm100) or the source mixes precisions, ValueError asks for an explicit --format."""
+    formats = ARCH_FORMATS[arch]
+    if source_format and set(source_format.split("/")) <= set(FLOAT_SOURCES):
+        return "bf16"
+    if source_format == "fp8-block" and source_format in formats:
+        return "fp8-block"
+    what = ("FP8 128x128-block" if source_format == "fp8-block"
+            else f"a mix of {source_format or 'unknown'}")
+    choices = "; ".join(f"--format {f} ({precision_change(source_format, f) or 'kept'})" for f in formats)
+    raise ValueError(f"the source's experts are {what}, which {arch} does not run as they are: pick "
+                     f"the format explicitly: {choices}")
+
+
+def precision_change(source_format: Optional[str], fmt: str) -> Optional[str]:
+    """What converting experts of `source_format` to `fmt` does to their values, in words (None:
+    they are kept as stored, apart from the kernel's reordering)."""
+    if fmt == "fp8-block":
+        return None if source_format == "fp8-block" else "quantized to FP8 e4m3 with 128x128 block scales"
+    if fmt == "mxfp4":
+        return ("dequantized, then quantized to MXFP4 (E2M1 with UE8M0 scales per 32 values)"
+                if source_format == "fp8-block" else
+                "quantized to MXFP4 (E2M1 with UE8M0 scales per 32 values)")
+    if source_format == "fp8-block":
+        return "dequantized from FP8 to BF16"
+    return None if source_format == "bf16" else f"cast from {str(source_format).upper()} to BF16"
+
+
+def check_arch_format(arch: str, fmt: Optional[str], source_format: Optional[str] = None) -> str:
+    """The format to use (when fmt is None, the one keeping the source's precision: default_format);
+    ValueError when unsupported."""
     require(arch in ARCH_FORMATS, f"--arch {arch!r} is not supported; choose one of "
             f"{sorted(ARCH_FORMATS)}")
-    fmt = DEFAULT_FORMAT[arch] if fmt is None else fmt
+    if fmt is None:
+        require(source_format is not None, "give the expert format (fmt / --format): one of "
+                f"{' or '.join(ARCH_FORMATS[arch])} for {arch}")
+        return default_format(arch, source_format)
     require(fmt in ARCH_FORMATS[arch], f"--format {fmt!r} does not run on {arch}; {arch} runs "
             f"{' or '.join(ARCH_FORMATS[arch])}")
     return fmt

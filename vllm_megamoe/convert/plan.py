@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .discovery import ExpertLayer, SourceCheckpoint, natural_key
-from .layouts import check_arch_format, tensor_specs
+from .layouts import check_arch_format, precision_change, tensor_specs
 from .safetensors_io import OutputTensor, TensorInfo
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -100,6 +100,21 @@ class Plan:
     arch: str
     fmt: str
     shards: list
+    source_format: Optional[str] = None
+
+    @property
+    def precision_change(self) -> Optional[str]:
+        """What the conversion does to the experts' values (layouts.precision_change), or None."""
+        return precision_change(self.source_format, self.fmt)
+
+    @property
+    def changed_tensors(self) -> list:
+        """Names of the expert weight tensors whose values change precision (the scales written
+        beside them are new tensors); empty when the experts keep the source's precision."""
+        if self.precision_change is None:
+            return []
+        return [t.name for s in self.shards for u in s.units if isinstance(u, ExpertUnit)
+                for t in u.outputs if t.name.endswith((".w13_weight", ".w2_weight"))]
 
     @property
     def total_bytes(self) -> int:
@@ -127,10 +142,10 @@ def shard_filename(i: int, n: int) -> str:
 
 def make_plan(source: SourceCheckpoint, arch: str, fmt: Optional[str],
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Plan:
-    fmt = check_arch_format(arch, fmt)
     if not source.layers:
         raise ValueError(f"{source.root}: no MoE expert tensors found; supported naming: "
                          "see `vllm-megamoe convert --help` (nothing to convert)")
+    fmt = check_arch_format(arch, fmt, source.source_format)
     expert_names = source.expert_tensor_names
     units = [CopyUnit(info) for name, info in source.tensors.items() if name not in expert_names]
     units += [ExpertUnit(layer, fmt) for layer in source.layers]
@@ -152,7 +167,7 @@ def make_plan(source: SourceCheckpoint, arch: str, fmt: Optional[str],
             raise ValueError(f"converted tensor name {name!r} already exists in the source "
                              "checkpoint; was it converted before?")
         seen.add(name)
-    return Plan(arch, fmt, shards)
+    return Plan(arch, fmt, shards, source.source_format)
 
 
 def non_expert_linear_modules(source: SourceCheckpoint) -> list:

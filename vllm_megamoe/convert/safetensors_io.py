@@ -39,6 +39,12 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 COPY_CHUNK_BYTES = 64 * 1024 * 1024
 
 
+class CorruptCheckpointError(ValueError):
+    """A checkpoint's files cannot be read as what they claim to be: a truncated or malformed
+    safetensors file, an index naming a file or tensor that is not there, experts missing. (Plain
+    ValueError: the files are fine but hold something the converter does not support.)"""
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lives in a safetensors file."""
@@ -70,14 +76,14 @@ def read_header(path: str) -> tuple[dict, dict]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{name}: not a safetensors file (shorter than 8 bytes)")
+            raise CorruptCheckpointError(f"{name}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", raw)
         if n > min(_MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{name}: not a safetensors file (header length {n} is invalid)")
+            raise CorruptCheckpointError(f"{name}: not a safetensors file (header length {n} is invalid)")
         try:
             header = json.loads(f.read(n))
         except ValueError as exc:
-            raise ValueError(f"{name}: safetensors header is not valid JSON ({exc})") from None
+            raise CorruptCheckpointError(f"{name}: safetensors header is not valid JSON ({exc})") from None
     data_start = 8 + n
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
@@ -85,12 +91,12 @@ def read_header(path: str) -> tuple[dict, dict]:
         dtype, shape = entry.get("dtype"), tuple(entry.get("shape", ()))
         begin, end = entry.get("data_offsets", (0, -1))
         if dtype not in ST_ITEMSIZE:
-            raise ValueError(f"tensor {tname!r} in {name} has unknown dtype {dtype!r}")
+            raise CorruptCheckpointError(f"tensor {tname!r} in {name} has unknown dtype {dtype!r}")
         numel = 1
         for d in shape:
             numel *= d
         if end - begin != numel * ST_ITEMSIZE[dtype] or data_start + end > size:
-            raise ValueError(f"tensor {tname!r} in {name}: data offsets {begin}..{end} do not "
+            raise CorruptCheckpointError(f"tensor {tname!r} in {name}: data offsets {begin}..{end} do not "
                              f"match shape {list(shape)} {dtype} or the file size {size}; the "
                              "file is truncated or corrupt")
         tensors[tname] = TensorInfo(os.path.abspath(path), tname, dtype, shape,
@@ -105,7 +111,7 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got <= 0:
-            raise ValueError(f"unexpected end of file reading {nbytes} bytes at offset {offset}")
+            raise CorruptCheckpointError(f"unexpected end of file reading {nbytes} bytes at offset {offset}")
         done += got
     return buf
 
@@ -137,7 +143,7 @@ def read_into(info: TensorInfo, out: torch.Tensor, rows: Optional[slice] = None)
         while done < len(view):
             got = os.preadv(fd, [view[done:]], begin + done)
             if got <= 0:
-                raise ValueError(f"{os.path.basename(info.file)} ended while reading "
+                raise CorruptCheckpointError(f"{os.path.basename(info.file)} ended while reading "
                                  f"{info.name!r}; the file is truncated")
             done += got
     finally:
@@ -212,12 +218,17 @@ def build_header(tensors: Iterable[OutputTensor]) -> tuple[bytes, dict]:
     return header, {name: len(header) + off for name, off in offsets.items()}
 
 
-def sha256_file(path: str, chunk: int = COPY_CHUNK_BYTES) -> str:
+def sha256_file(path: str, chunk: int = COPY_CHUNK_BYTES, stop=None) -> Optional[str]:
+    """Hex sha256 of the file, read once in `chunk`-byte pieces (bounded memory; hashlib and the
+    reads release the GIL, so it runs beside other threads). `stop`: a threading.Event; once set,
+    the hashing ends early and returns None."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)
         while True:
+            if stop is not None and stop.is_set():
+                return None
             n = f.readinto(buf)
             if not n:
                 break

@@ -74,6 +74,11 @@ def check_converted_index(index: dict, path: str) -> None:
                        "shard file names to sha256 hex digests")
 
 
+def mismatch_problem(filename: str, expected: str, actual: str) -> str:
+    return (f"{filename}: sha256 mismatch (index has {expected[:16]}..., the file {actual[:16]}...); the "
+            "shard is corrupt or was modified; convert again")
+
+
 def check_files(root: str, index: dict, problems: list) -> dict:
     """Checksums and headers of every shard; returns {tensor name: TensorInfo}."""
     weight_map = index.get("weight_map") or {}
@@ -87,9 +92,8 @@ def check_files(root: str, index: dict, problems: list) -> dict:
             continue
         if fn not in digests:
             problems.append(f"{fn}: no sha256 in {INDEX_FILE} ['megamoe']['sha256']")
-        elif sha256_file(path) != digests[fn]:
-            problems.append(f"{fn}: sha256 mismatch (index has {digests[fn][:16]}...); the "
-                            "shard is corrupt or was modified; convert again")
+        elif (actual := sha256_file(path)) != digests[fn]:
+            problems.append(mismatch_problem(fn, digests[fn], actual))
             unreadable.add(fn)
             continue
         try:

@@ -9,7 +9,10 @@ of the package lives in this folder:
   hooks.py     where the plugin hooks into vLLM (CLI choice, passthrough all2all, oracles, loader)
   experts.py   MegaMoEExperts, the modular-kernel experts class that calls vllm_megamoe.ops
   runtime.py   per-worker state: path choice, layer registry, the one SymmBuffer
-  demo.py      tiny random checkpoint -> text through vLLM with and without megamoe
+  converted.py loading checkpoints converted offline (as stored; their sha256 checked)
+  startup.py   its VLLM_MEGAMOE_* variables declared to vLLM, its startup errors printed first
+  demo.py      the vLLM demo of `vllm-megamoe demo`: tiny random checkpoint -> text with and
+               without megamoe
 """
 from __future__ import annotations
 
@@ -41,8 +44,12 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from . import hooks
+    from . import hooks, startup
     _registered = True
+    try:
+        startup.install()  # its VLLM_MEGAMOE_* variables known to vLLM, its startup errors read first
+    except Exception as e:  # noqa: BLE001
+        hooks.logger.error("%s", e, exc_info=True)
     try:
         hooks.install()
     except Exception as e:  # noqa: BLE001 - nothing the plugin does may take vLLM down

@@ -102,6 +102,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
     Key("max_tokens_per_rank", _positive_int, None,
         "Tokens one rank may send through the buffer in one forward. Default: vLLM's "
         "--max-num-batched-tokens. A larger batch is an error naming this key."),
+    Key("verify_checkpoint", _flag, "1",
+        "1 (default): loading a checkpoint converted by `vllm-megamoe convert`, each worker hashes its share "
+        "of the index's shards (sha256, streamed while vLLM reads them; every shard by one worker) and the "
+        "load fails, naming the shard, when one does not match its checksum; 0: load it unchecked "
+        "(docs/conversion.md gives the cost)."),
     Key("path", _choice("auto", "portable", "sm90", "sm100"), "auto",
         "Which implementation runs: auto (best for the GPU), or force portable/sm90/sm100.",
         core_env=True),
@@ -232,8 +237,9 @@ def unknown_environment_names(environ: Optional[Mapping[str, str]] = None) -> Op
     known_env = {k.env: k for k in KEYS.values()}
     for var in sorted(env):
         if var.startswith(ENV_PREFIX) and var != CONFIG_ENV and var not in known_env:
-            return (f"unknown environment variable {var}{_closest(var, known_env)}; "
-                    f"known: {sorted(known_env) + [CONFIG_ENV]}")
+            near = _closest(var, known_env)
+            known = "" if near else f"; known: {sorted(known_env) + [CONFIG_ENV]}"
+            return f"unknown environment variable {var}{near}: rename or unset it{known}"
     return None
 
 
