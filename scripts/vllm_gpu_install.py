@@ -125,10 +125,7 @@ def norm(name: str) -> str:
 
 def vllm_requirements(dist_info: str) -> dict:
     """normalised name -> specifier string of vLLM's unconditional requirements."""
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # pip vendors it
-        from pip._vendor.packaging.requirements import Requirement
+    Requirement = _requirement_class()
     reqs = {}
     with open(os.path.join(dist_info, "METADATA")) as f:
         for line in f:
@@ -139,23 +136,58 @@ def vllm_requirements(dist_info: str) -> dict:
     return reqs
 
 
+def _requirement_class():
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.requirements import Requirement
+    return Requirement
+
+
+def _wheel_requirements(path: str) -> list:
+    """Unconditional Requires-Dist of a wheel file."""
+    import zipfile
+    Requirement = _requirement_class()
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    reqs = []
+    for line in text.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                reqs.append(req)
+    return reqs
+
+
 def install_wheels(wheels_dir: str, reqs: dict) -> None:
-    """pip-install the carried wheels the machine lacks (or has at a version vLLM refuses)."""
-    todo, skipped = [], []
+    """pip-install the carried wheels the machine lacks, or has at a version vLLM or another
+    installed wheel refuses (e.g. pydantic pins pydantic-core exactly)."""
+    wheels = {}
     for fn in sorted(os.listdir(wheels_dir)):
         name, version = fn.split("-")[:2]
-        have = dist_version(name)
-        req = reqs.get(norm(name))
-        if have is not None and (req is None or req.specifier.contains(have, prereleases=True)):
-            skipped.append(f"{name} {have}")
-        else:
-            todo.append(os.path.join(wheels_dir, fn))
+        wheels[norm(name)] = (os.path.join(wheels_dir, fn), version)
+
+    def accepted(name: str, have, req) -> bool:
+        return have is not None and (req is None or req.specifier.contains(have, prereleases=True))
+
+    todo = {n for n in wheels if not accepted(n, dist_version(n), reqs.get(n))}
+    grew = True
+    while grew:  # a wheel to install may need a newer version of one the machine has
+        grew = False
+        for n in sorted(todo):
+            for req in _wheel_requirements(wheels[n][0]):
+                dep = norm(req.name)
+                if dep in wheels and dep not in todo and not accepted(dep, dist_version(dep), req):
+                    todo.add(dep)
+                    grew = True
+    skipped = [f"{n} {dist_version(n)}" for n in sorted(wheels) if n not in todo]
     print(f"wheels: {len(todo)} to install, {len(skipped)} already on the machine "
           f"({', '.join(skipped) or 'none'})", flush=True)
     if todo:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", SITE, *todo],
-                       check=True)
+                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", SITE,
+                        *[wheels[n][0] for n in sorted(todo)]], check=True)
 
 
 def register_megamoe() -> None:

@@ -14,7 +14,8 @@ seconds on a GPU):
                       shared expert, sigmoid scores with a correction bias, grouped top-k (8 groups,
                       4 kept), routed_scaling_factor 2.5; hidden 2048, expert width 512, 64 experts,
                       top-8, vocab 4096
-  tiny-deepseek       the same architecture at CPU size (hidden 256, 16 experts, top-4, 4 groups;
+  tiny-qwen3          Qwen3MoeForCausalLM at CPU size (hidden 256, expert width 128, 16 experts, top-4)
+  tiny-deepseek       DeepseekV3ForCausalLM at CPU size (hidden 256, 16 experts, top-4, 4 groups;
                       DeepSeek's MLA head sizes, the only ones vLLM's CPU MLA takes)
 
 `--experts fp8-block` stores the routed experts as FP8 e4m3 with 128x128 block scales
@@ -71,6 +72,8 @@ PRESETS = {
                                layers=3, heads=16, dense_width=4096, shared_experts=1, groups=8,
                                topk_groups=4, routed_scaling_factor=2.5, q_lora_rank=768,
                                kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128),
+    "tiny-qwen3": Preset("qwen3_moe", hidden=256, expert_width=128, num_experts=16, topk=4, layers=2,
+                         vocab=512, heads=4, kv_heads=2, head_dim=64),
     "tiny-deepseek": Preset("deepseek_v3", hidden=256, expert_width=128, num_experts=16, topk=4,
                             layers=3, vocab=512, heads=4, dense_width=512, shared_experts=1, groups=4,
                             topk_groups=2, routed_scaling_factor=2.5, q_lora_rank=128,
@@ -79,7 +82,7 @@ PRESETS = {
 
 EXPERT_OUTPUT_SCALE = 0.25   # experts write a quarter of the residual stream's scale
 ROUTER_GAIN = 4.0            # router logits of a few units: decisive routing, few near-ties
-LM_HEAD_GAIN = 6.0           # logits of a few units before the heavy-tailed row norms
+LM_HEAD_GAIN = 1.5           # logits of a few units before the heavy-tailed row norms
 LM_HEAD_NORM_SPREAD = 0.75
 
 
@@ -229,7 +232,7 @@ def make_moe_checkpoint(out_dir: str, preset: str = "qwen3-30b-a3b-like", expert
             out[name] = value.float()
         else:
             out[name] = value.to(torch.bfloat16)
-            if kind in ("linear", "down", "lm_head") and experts == "fp8-block":
+            if kind in ("linear", "down", "lm_head", "router") and experts == "fp8-block":
                 ignored.append(name[: -len(".weight")])
         for k, v in out.items():
             current[k] = v.cpu().contiguous()
