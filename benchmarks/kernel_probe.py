@@ -1,16 +1,19 @@
-"""Where the fused SM90 kernel spends a launch: per-phase times and mainloop variants.
+"""Where the fused SM90 kernel spends a launch: per-phase times and build variants.
 
     python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 8 128 1024 \
-        --variants stages=2 stages=3 stages=4 mainloop=ldg --out probe.json
+        --variants stages=2 stages=3 stages=4 tile=64 --out probe.json
 
-For every shape, tokens per rank and variant (an environment override of the kernel's tuning
-knobs: `stages=N` -> VLLM_MEGAMOE_SM90_STAGES, `mainloop=ldg|smem|wgmma|tma`,
-`tile=32|64|128` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` -> VLLM_MEGAMOE_NUM_SMS, `ablate=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|keep_padding|stores|transpose|task_scales`
-(joined with +) -> VLLM_MEGAMOE_SM90_ABLATE (profiling builds without that part of the mainloop: wrong outputs,
-times only; keep_padding alone: right outputs, the padding rows as the box read them), `trace=1` -> VLLM_MEGAMOE_SM90_CHUNK_TRACE (the FP8 K loop's chunk trace and the task trace), `evict_first=1|0|auto`
--> VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST (the weight copies' L2 policy), `csrc=DIR` ->
-VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a commit's `csrc/` from `git archive`); several
-joined by commas; `default` for none) it times graph-replayed calls with CUDA events (median,
+For every shape, tokens per rank and variant (KNOB=VALUE, several joined by commas, `default` for
+none). Tuning knobs, through the environment the op reads (sm90_tuning.env_overrides): `stages=N`
+-> VLLM_MEGAMOE_SM90_STAGES, `tile=32|64|128|auto` -> VLLM_MEGAMOE_SM90_TOKEN_TILE, `sms=N` ->
+VLLM_MEGAMOE_NUM_SMS, `csrc=DIR` -> VLLM_MEGAMOE_CSRC_DIR (another source tree's build, e.g. a
+commit's `csrc/` from `git archive`). Development builds, passed to the op as
+sm90_mega_moe.BuildOptions (no environment variable): `ablate=promotion|mma|token_rows|weight_rows|
+tma|tma_warm|narrow|half_rows|epilogue|keep_padding|stores|transpose|task_scales` (joined with +:
+profiling builds without that part of the mainloop: wrong outputs, times only; keep_padding alone:
+right outputs, the padding rows as the box read them), `trace=1` (the FP8 K loop's chunk trace and
+the task trace), `trace_task=N` (which L1 task of a CTA it traces), `epilogue_wg=0`,
+`epilogue_wg128=1`, `evict_first=1|0|auto` (the weight copies' L2 policy). It times graph-replayed calls with CUDA events (median,
 max over ranks), checks the output against the default variant, and runs one call with the phase
 clock (vllm_megamoe.kernels.phase_clock): the table shows how long the slowest CTA of the slowest
 rank needed from one phase mark to the next, and for trace builds the SM cycles of each interval of
@@ -19,7 +22,7 @@ token-block check and barrier, K loop, hand-off, the task queue's barrier (phase
 With --rounds N the variants run N times in turn and
 each case reports its median round. With --power, nvidia-smi samples the SM clock and board power
 while rank 0 times each case (its medians in the row: at prefill the time is what the 700 W cap
-allows, docs/kernel_notes.md v26).
+allows, docs/kernel_design.md).
 
     python3 -m benchmarks.kernel_probe --gpus 1 --tokens 1 8 --variants default csrc=.probe_base/csrc --rounds 3
 
@@ -41,42 +44,79 @@ PHASES = (("dispatch", "start", "dispatched"), ("pull", "dispatched", "l1_start"
           ("L1 sync", "l1_done", "l2_start"), ("L2", "l2_start", "l2_done"), ("combine", "l2_done", "combined"),
           ("reduce", "combined", "end"))
 SHORT_POWER_WINDOW_S = 2.0  # --power: nvidia-smi's power.draw averages ~1 s, so shorter windows read low
-KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "mainloop": "VLLM_MEGAMOE_SM90_MAINLOOP", "sms": "VLLM_MEGAMOE_NUM_SMS",
+KNOBS = {"stages": "VLLM_MEGAMOE_SM90_STAGES", "sms": "VLLM_MEGAMOE_NUM_SMS",
          "tile": "VLLM_MEGAMOE_SM90_TOKEN_TILE",
-         # profiling builds that drop part of the mainloop (promotion, mma, token_rows, weight_rows, tma,
-         # tma_warm, narrow, half_rows, epilogue, stores, transpose, task_scales; wrong outputs;
-         # keep_padding: right outputs)
-         "ablate": "VLLM_MEGAMOE_SM90_ABLATE",
-         # clock values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace)
-         "trace": "VLLM_MEGAMOE_SM90_CHUNK_TRACE",
-         # which of a CTA's L1 tasks a trace build traces (default 2; 0 at a few tokens per rank)
-         "trace_task": "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK",
-         # 0: the 32- and 64-token TMA builds without their epilogue warpgroup (epilogue_warpgroup.cuh); a
-         # csrc= tree from before it must run with 0 (its kernel has 256 threads)
-         "epilogue_wg": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP",
-         # 1: the 128-token TMA builds with an epilogue warpgroup where its 64 KB tile fits (3 stages)
-         "epilogue_wg128": "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128",
-         # 1 / 0: the TMA builds' weight copies with an L2 evict-first policy or without (default auto,
-         # sm90_tuning.weights_evict_first)
-         "evict_first": "VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST",
          # another source tree (a csrc/ directory, e.g. `git archive <commit> csrc` unpacked): its
          # build next to this tree's in the same process, same inputs (an A/B of two commits)
          "csrc": "VLLM_MEGAMOE_CSRC_DIR"}
+# Development builds: knob -> (BuildOptions field, parser). ablate: profiling builds that drop part
+# of the mainloop (sm90_mega_moe.ABLATIONS; wrong outputs; keep_padding: right outputs); trace: clock
+# values inside a few K chunks of one L1 task per CTA (phase_clock.chunk_trace); trace_task: which of
+# a CTA's L1 tasks a trace build traces (default 2; 0 at a few tokens per rank); epilogue_wg=0: the
+# 32- and 64-token builds without their epilogue warpgroup (a csrc= tree from before it must run with
+# 0: its kernel has 256 threads); epilogue_wg128=1: the 128-token builds with one where its 64 KB tile
+# fits (3 stages); evict_first=1 / 0: every build's weight copies with an L2 evict-first policy / none
+# (auto: the serving rule, sm90_tuning.weights_evict_first_*).
+
+
+def _flag(value: str) -> bool:
+    from vllm_megamoe.env_flags import parse_flag
+    return parse_flag(value)
+
+
+def _auto_flag(value: str):
+    from vllm_megamoe.env_flags import parse_auto_flag
+    return parse_auto_flag(value)
+
+
+def _ablate(value: str) -> int:
+    from vllm_megamoe.kernels.sm90_mega_moe import parse_ablation
+    return parse_ablation(value)
+
+
+def _task(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"trace_task={value!r} must be a task number (0, 1, 2, ...)")
+    return int(value)
+
+
+BUILD_KNOBS = {"ablate": ("ablate", _ablate), "trace": ("chunk_trace", _flag), "trace_task": ("trace_task", _task),
+               "epilogue_wg": ("epilogue_warpgroup", _flag), "epilogue_wg128": ("epilogue_warpgroup_128", _flag),
+               "evict_first": ("weights_evict_first", _auto_flag)}
+
+
+def _parts(variant: str) -> list[tuple[str, str]]:
+    if variant == "default":
+        return []
+    out = []
+    for part in variant.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or (key not in KNOBS and key not in BUILD_KNOBS) or not value:
+            raise ValueError(f"variant {variant!r}: expected default or KNOB=VALUE[,KNOB=VALUE] with KNOB in "
+                             f"{sorted([*KNOBS, *BUILD_KNOBS])}")
+        out.append((key, value))
+    return out
 
 
 def variant_env(variant: str) -> dict:
-    """'stages=3' -> {'VLLM_MEGAMOE_SM90_STAGES': '3'}; 'mainloop=wgmma,stages=5' sets both;
-    'default' -> {}."""
-    if variant == "default":
-        return {}
-    env = {}
-    for part in variant.split(","):
-        key, sep, value = part.partition("=")
-        if not sep or key not in KNOBS or not value:
-            raise ValueError(f"variant {variant!r}: expected default or KNOB=VALUE[,KNOB=VALUE] with KNOB in "
-                             f"{sorted(KNOBS)}")
-        env[KNOBS[key]] = value
-    return env
+    """The environment a variant sets: 'stages=3' -> {'VLLM_MEGAMOE_SM90_STAGES': '3'};
+    'tile=64,stages=5' sets both; 'default' and the development knobs -> {}."""
+    return {KNOBS[k]: v for k, v in _parts(variant) if k in KNOBS}
+
+
+def variant_options(variant: str):
+    """The development build a variant asks for (sm90_mega_moe.BuildOptions): 'trace=1,trace_task=0'
+    -> BuildOptions(chunk_trace=True, trace_task=0); 'default' and the tuning knobs -> SERVING."""
+    from vllm_megamoe.kernels.sm90_mega_moe import BuildOptions
+    fields = {}
+    for key, value in _parts(variant):
+        if key in BUILD_KNOBS:
+            name, parse = BUILD_KNOBS[key]
+            try:
+                fields[name] = parse(value)
+            except ValueError as e:
+                raise ValueError(f"variant {variant!r}: {key}={value!r}: {e}") from None
+    return BuildOptions(**fields)
 
 
 @contextlib.contextmanager
@@ -151,27 +191,27 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, variants, iters, ro
             baseline = None
             measured: dict[str, list[dict]] = {}
             # Round after round over the variants: a drift of the GPU during the call (two runs of
-            # one build 18 % apart at 1 token, docs/kernel_notes.md v15) then reaches every variant.
+            # one build 18 % apart at 1 token, docs/kernel_design.md) then reaches every variant.
             for variant in [v for _ in range(rounds) for v in variants]:
-                env = variant_env(variant)
+                env, options = variant_env(variant), variant_options(variant)
                 buf = bufs[env.get(KNOBS["csrc"], "")]
                 with scoped_env(env):
-                    out = sm90_mega_moe.mega_moe(*sets[0], weights, buf).clone()
+                    out = sm90_mega_moe.mega_moe(*sets[0], weights, buf, options=options).clone()
                     if baseline is None:
                         baseline = out
                     # Inputs and weights are seeded, so builds of other sources (kernel_probe runs with
                     # VLLM_MEGAMOE_CSRC_DIR) that must not change results can be compared bit for bit.
                     digest = hashlib.sha1(out.view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
                     err = reference.relative_error(out, baseline)
-                    graph = capture_graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y))
+                    graph = capture_graph(lambda: sm90_mega_moe.mega_moe(*static, weights, buf, y=y, options=options))
                     sampler = sample_clocks(torch.cuda.current_device()) if power and rank == 0 else None
                     times = time_events(graph.replay, iters, 2, load)
                     timed_mhz, timed_w = stop_samples(sampler)
                     del graph
                     load(0)
-                    clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf), dev,
-                                                  trace=sm90_mega_moe.chunk_trace_from_env())
-                    sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock)
+                    clock = phase_clock.new_clock(sm90_mega_moe.grid_size(shape, buf, options), dev,
+                                                  trace=options.chunk_trace)
+                    sm90_mega_moe.mega_moe(*static, weights, buf, y=y, phase_clock=clock, options=options)
                     torch.cuda.synchronize()
                     summary = phase_clock.summarize(clock)
                     resolved = sm90_tuning.choose(shape, fmt, world, tokens).label()
@@ -213,7 +253,8 @@ def compile_only(shapes: list[str], fmt: str, tokens_list: list[int], variants: 
             with scoped_env(variant_env(variant)):
                 # kernel_probe's buffers hold max(tokens) per rank (_rank_main), and its first call of
                 # a shape loads every build the layer may run (sm90_mega_moe.load_kernel).
-                for spec in sm90_mega_moe.layer_kernel_specs([shape], fmt, world, max(tokens_list)):
+                for spec in sm90_mega_moe.layer_kernel_specs([shape], fmt, world, max(tokens_list),
+                                                             options=variant_options(variant)):
                     compiled = jit.compile_kernel(spec)
                     lines.append(f"{name} {variant}: {sm90_mega_moe.describe_spec(spec)} "
                                  f"{'cached' if compiled.from_cache else 'compiled'} {compiled.key[:12]}")
@@ -283,7 +324,7 @@ def table(rows: list[dict]) -> str:
     if spans:  # an average task's spans (phase_clock.task_spans)
         keys = ("l1_gemm", "l1_epilogue", "l1_between", "l2_wait", "l2_gemm", "l2_epilogue", "l2_between")
         # The SM clock of the clocked call, and the K loops in kilocycles: at prefill the clock is what
-        # the power cap leaves (kernel_notes v26), so a change's time can move with the clock alone.
+        # the power cap leaves (docs/kernel_design.md), so a change's time can move with the clock alone.
         lines += ["", "us per task: " + "  ".join(f"{k:>11}" for k in keys)
                   + "  tasks L1/L2    GHz  L1/L2 gemm kcycles"]
         for r in spans:
@@ -321,7 +362,7 @@ def table(rows: list[dict]) -> str:
 
 
 def markdown(path: str) -> str:
-    """A recorded probe (--out) as a markdown table (what docs/kernel_notes.md shows)."""
+    """A recorded probe (--out) as a markdown table (what docs/kernel_design.md shows)."""
     with open(path) as f:
         data = json.load(f)
     env = data["env"]
@@ -402,7 +443,7 @@ def main(argv=None) -> int:
     if len(set(args.variants)) < len(args.variants):
         ap.error(f"--variants {' '.join(args.variants)}: each variant once (--rounds repeats them)")
     for v in args.variants:
-        variant_env(v)  # bad variants and shapes fail before any process starts
+        variant_env(v), variant_options(v)  # bad variants and shapes fail before any process starts
     for spec in args.shapes:
         probe_shape(spec)
     if args.compile_only:

@@ -7,7 +7,7 @@ wgmma loop (the K loops), registers and spills, and whether two source trees giv
     python -m benchmarks.sass_census --csrc .probe_tid/csrc --base-csrc csrc --table --ranks 1 --tokens 8192 \
         --builds qwen3-30b-a3b:fp8-block:64 v4-flash:fp8-block:128   # a patched tree against this one, one row a build
 
-A build is SHAPE:FORMAT:TILE[:MAINLOOP] (shape: a standard name or HIDDENxINTERxEXPERTSxTOPK; EP2
+A build is SHAPE:FORMAT:TILE (shape: a standard name or HIDDENxINTERxEXPERTSxTOPK; EP2
 and 4096 tokens of buffer unless --ranks / --tokens say otherwise: the EP1 and EP2 builds of a shape
 can spill differently). A loop is a backward branch whose body holds a wgmma (QGMMA / HGMMA);
 nested ones (a stage wait's timeout loop, a TMA issue loop) are counted inside the loops that
@@ -125,12 +125,12 @@ def _strip_labels(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- building
-def parse_build(spec: str) -> tuple[str, str, int, str]:
+def parse_build(spec: str) -> tuple[str, str, int]:
     parts = spec.split(":")
-    if len(parts) not in (3, 4):
-        raise SystemExit(f"build {spec!r}: expected SHAPE:FORMAT:TILE[:MAINLOOP]")
+    if len(parts) != 3:
+        raise SystemExit(f"build {spec!r}: expected SHAPE:FORMAT:TILE")
     shape, fmt, tile = parts[0], parts[1], int(parts[2])
-    return shape, fmt, tile, parts[3] if len(parts) == 4 else "tma"
+    return shape, fmt, tile
 
 
 def compile_build(spec: str, csrc_dir: str | None = None, ranks: int = 2, tokens: int = 4096) -> tuple[bytes, str]:
@@ -139,9 +139,9 @@ def compile_build(spec: str, csrc_dir: str | None = None, ranks: int = 2, tokens
     from benchmarks.kernel_probe import probe_shape, scoped_env
     from vllm_megamoe.kernels import jit, sm90_mega_moe
 
-    shape_name, fmt, tile, mainloop = parse_build(spec)
+    shape_name, fmt, tile = parse_build(spec)
     shape = probe_shape(shape_name)
-    env = {"VLLM_MEGAMOE_SM90_TOKEN_TILE": str(tile), "VLLM_MEGAMOE_SM90_MAINLOOP": mainloop}
+    env = {"VLLM_MEGAMOE_SM90_TOKEN_TILE": str(tile)}
     if csrc_dir:
         env["VLLM_MEGAMOE_CSRC_DIR"] = csrc_dir
 
@@ -210,7 +210,7 @@ def local_memory(instructions: list[Instruction], found: list[Loop]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, help="SHAPE:FORMAT:TILE[:MAINLOOP]")
+    ap.add_argument("--builds", nargs="+", default=DEFAULT_BUILDS, help="SHAPE:FORMAT:TILE")
     ap.add_argument("--base-csrc", help="another tree's csrc/ (e.g. from git archive): compare SASS per build")
     ap.add_argument("--csrc", help="the tree to describe (default: the package's csrc/), e.g. a patched copy")
     ap.add_argument("--table", action="store_true",

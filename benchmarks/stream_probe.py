@@ -4,7 +4,7 @@
     python -m benchmarks.stream_probe --out stream_probe.json       # one GPU, ~30 s
     python -m benchmarks.stream_probe --compile-only                 # no GPU: the builds compile
 
-The question (docs/kernel_notes.md v19, v22): without any wgmma the FP8 prefill L1 tasks still take
+The question (docs/kernel_design.md): without any wgmma the FP8 prefill L1 tasks still take
 0.73-0.83 of their time, so the operand stream bounds the K loop. If the bound is what the L2 cache
 hands out, a weight box shared by a cluster's two CTAs (each loading half, multicast) cuts the time
 per chunk; if it is what an SM takes in, the chunk takes as long as before.

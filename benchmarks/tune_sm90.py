@@ -2,7 +2,7 @@
 
     # on the GPUs: time the builds worth comparing, per shape and tokens per rank
     python3 -m benchmarks.kernel_probe --gpus 2 --shapes v4-flash --tokens 1 8 128 1024 8192 \
-        --variants default tile=64 mainloop=tma mainloop=wgmma,stages=5 --out probe.json
+        --variants default tile=64 stages=5 tile=64,stages=5 --out probe.json
     # anywhere: the fastest correct build per (shape, format, EP size, tokens) -> table
     python3 -m benchmarks.tune_sm90 probe.json [more.json ...] --out configs/sm90_mega_moe.yaml
 
@@ -10,11 +10,12 @@ For every layer the probes cover, the tokens per rank they measured become bucke
 measured point owns the tokens up to the geometric middle between it and the next point, and
 neighbouring buckets with the same build merge. A build whose output is further than
 --max-err from the probe's first variant never wins, and a build other than the heuristic's
-mainloop and depth (sm90_tuning.HEURISTIC) wins only when it beats that build's best time at the
+depth (sm90_tuning.HEURISTIC) wins only when it beats that build's best time at the
 point by more than --min-gain (run-to-run noise alone must not change the table). Entries of layers the probes do not cover
 are kept from the existing table. A point won by a 64-token build where no current 128-token build
 was timed gets the tile TILE_64_OR_128: 64 over 32 is measured, 64 against 128 is left to the
-padding model per call (sm90_tuning.wide_tile).
+padding model per call (sm90_tuning.wide_tile). Rows of builds the kernel no longer has (another
+mainloop than tma, in probes recorded before it had one) are skipped.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import json
 import math
 import os
 
-from vllm_megamoe.kernels.sm90_tuning import FP8_TILE128_BUILD, HEURISTIC, TILE_64_OR_128, parse_table, tile_supported
+from vllm_megamoe.kernels.sm90_tuning import FP8_TILE128_BUILD, HEURISTIC, MAINLOOP, TILE_64_OR_128, parse_table, tile_supported
 
 LAST_BUCKET = 1 << 20
 
@@ -37,8 +38,8 @@ def _dims(row: dict) -> tuple[int, int, int, int]:
 
 
 def _is_heuristic_build(label: str) -> bool:
-    mainloop, stages, _tile = label.split("/")
-    return mainloop == HEURISTIC.mainloop and int(stages) == HEURISTIC.stages
+    _mainloop, stages, _tile = label.split("/")
+    return int(stages) == HEURISTIC.stages
 
 
 def _winner(times: dict, min_gain: float) -> tuple[str, float]:
@@ -62,9 +63,8 @@ def best_builds(probes: list[dict], max_err: float, min_gain: float = 0.0) -> di
             if not r.get("mainloop") or r.get("graph_us") is None or r["rel_err_vs_first_variant"] > max_err:
                 continue
             loop, tile = r["mainloop"].split("/")[0], int(r["mainloop"].split("/")[2])
-            if not tile_supported(r["format"], tile, loop) or (r["format"] == "fp8-block" and tile == 128
-                                                               and not fp8_128_current):
-                continue  # a build withdrawn since (FP8 128-token probes before v19 timed the swap-AB build)
+            if loop != MAINLOOP or (r["format"] == "fp8-block" and tile == 128 and not fp8_128_current):
+                continue  # a build withdrawn since (another mainloop; earlier FP8 128-token probes timed a swap-AB build)
             point = times.setdefault((*_dims(r), r["format"], ranks), {}).setdefault(r["tokens_per_rank"], {})
             point[r["mainloop"]] = min(point.get(r["mainloop"], float("inf")), r["graph_us"])
     return {key: {tokens: _with_tile_rule(_winner(builds, min_gain), builds, key[4]) for tokens, builds in points.items()}
@@ -72,23 +72,22 @@ def best_builds(probes: list[dict], max_err: float, min_gain: float = 0.0) -> di
 
 
 def _with_tile_rule(winner: tuple[str, float], builds: dict, fmt: str) -> tuple[str, float]:
-    """A 64-token winner where no 128-token build ran (and one exists for its format and
-    mainloop): its label with the tile TILE_64_OR_128."""
+    """A 64-token winner where no 128-token build ran: its label with the tile TILE_64_OR_128."""
     mainloop, stages, tile = winner[0].split("/")
-    if (tile == "64" and tile_supported(fmt, 128, mainloop)
+    if (tile == "64" and tile_supported(fmt, 128)
             and not any(label.endswith("/128") for label in builds)):
         return f"{mainloop}/{stages}/{TILE_64_OR_128}", winner[1]
     return winner
 
 
 def buckets(points: dict) -> list[dict]:
-    """{tokens: (label, us)} -> merged buckets [{max_tokens, mainloop, stages, tile}, ...]."""
+    """{tokens: (label, us)} -> merged buckets [{max_tokens, stages, tile}, ...]."""
     tokens = sorted(points)
     out: list[dict] = []
     for i, t in enumerate(tokens):
         edge = LAST_BUCKET if i + 1 == len(tokens) else int(math.sqrt(t * tokens[i + 1]))
-        mainloop, stages, tile = points[t][0].split("/")
-        b = dict(max_tokens=edge, mainloop=mainloop, stages=int(stages), tile=tile if tile == TILE_64_OR_128 else int(tile))
+        _mainloop, stages, tile = points[t][0].split("/")
+        b = dict(max_tokens=edge, stages=int(stages), tile=tile if tile == TILE_64_OR_128 else int(tile))
         if out and {k: v for k, v in out[-1].items() if k != "max_tokens"} == \
                 {k: v for k, v in b.items() if k != "max_tokens"}:
             out[-1]["max_tokens"] = edge
@@ -101,6 +100,9 @@ def table(probes: list[dict], existing: dict | None, max_err: float, min_gain: f
     entries = {}
     for e in (existing or {}).get("entries") or []:
         s = e["shape"]
+        for b in e.get("buckets") or []:  # a table from before the one mainloop: drop its "tma" column
+            if b.get("mainloop") == MAINLOOP:
+                del b["mainloop"]
         entries[(s["hidden"], s["intermediate"], s["experts"], s["topk"], e["format"], e["ranks"])] = e
     for key, points in best_builds(probes, max_err, min_gain).items():
         h, i, experts, topk, fmt, ranks = key
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="configs/sm90_mega_moe.yaml")
     ap.add_argument("--max-err", type=float, default=2e-2, help="largest relative error vs the first variant")
     ap.add_argument("--min-gain", type=float, default=0.03,
-                    help="how much faster than the heuristic's mainloop and depth another build must be")
+                    help="how much faster than the heuristic's depth another build must be")
     args = ap.parse_args(argv)
     import yaml
 

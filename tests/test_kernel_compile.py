@@ -41,7 +41,7 @@ def test_import_is_light():
     code = (
         "import sys; sys.modules['cuda'] = None; sys.modules['cuda.bindings'] = None\n"
         "import vllm_megamoe, vllm_megamoe.kernels\n"
-        "from vllm_megamoe.kernels import jit, sm90_grouped_gemm\n"
+        "from vllm_megamoe.kernels import jit, sm90_mega_moe, sm90_tuning\n"
         "print(jit.nvrtc_available())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -55,70 +55,20 @@ def test_compiler_choice_env(monkeypatch):
         jit.choose_compiler()
 
 
-def test_config_validation():
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    with pytest.raises(ValueError, match="multiple of 8"):
-        g.resolve_config(g.GroupedGemmConfig(block_tokens=12))
-    with pytest.raises(ValueError, match="num_consumer_wg"):
-        g.resolve_config(g.GroupedGemmConfig(num_consumer_wg=3))
-    with pytest.raises(ValueError, match="BF16 needs no flag"):
-        g.resolve_config(g.GroupedGemmConfig(bf16=True, interleaved_gate_up=True))
-    for tokens in g.BLOCK_TOKEN_CHOICES:
-        for bf16 in (False, True):
-            cfg = g.resolve_config(g.GroupedGemmConfig(block_tokens=tokens, bf16=bf16))
-            assert cfg.stages >= 4
-            assert g.smem_bytes(tokens, 2, cfg.stages, bf16) <= g.SM90_MAX_DYNAMIC_SMEM
-    assert g.default_block_tokens(48, 256) == 8
-    assert g.default_block_tokens(24676, 128) == 192
-
-
-@needs_nvrtc
-@pytest.mark.parametrize(
-    "block_tokens,num_wg,interleaved,bf16",
-    [(8, 2, False, False), (32, 2, True, False), (128, 2, False, False), (192, 2, True, False),
-     (16, 1, False, False), (96, 1, False, False), (8, 2, False, True), (128, 2, False, True)],
-)  # fmt: skip
-def test_grouped_gemm_compiles(private_cache, block_tokens, num_wg, interleaved, bf16):
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    config = g.GroupedGemmConfig(block_tokens=block_tokens, num_consumer_wg=num_wg, interleaved_gate_up=interleaved, bf16=bf16)
-    spec = g.kernel_spec(config)
-    compiled = jit.compile_kernel(spec, "nvrtc")
-    assert compiled.cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
-    assert not compiled.from_cache
-    stack, spills = _resources(compiled.log)
-    assert spills == 0 and stack == 0, f"register spills in the mainloop:\n{compiled.log}"
-    assert b"megamoe_grouped_gemm" in compiled.cubin
-    # Second call is served from the disk cache with identical bytes.
-    again = jit.compile_kernel(spec, "nvrtc")
-    assert again.from_cache and again.cubin == compiled.cubin
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("name,hidden,inter", SHAPES)
-def test_model_shapes_pick_compilable_configs(private_cache, name, hidden, inter):
-    """The configs the wrapper picks for decode and prefill of each model shape all compile."""
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    num_experts = 128
-    for rows in (8, 48, 800, 24676):
-        tokens = g.default_block_tokens(rows, num_experts)
-        for n, k, interleaved in ((2 * inter, hidden, True), (hidden, inter, False)):
-            assert k % 128 == 0 and n % 64 == 0, (name, n, k)
-            spec = g.kernel_spec(g.GroupedGemmConfig(block_tokens=tokens, interleaved_gate_up=interleaved))
-            compiled = jit.compile_kernel(spec, "nvrtc")
-            assert _resources(compiled.log)[1] == 0
+def _small_spec(tile: int = 32):
+    """A small build of the fused kernel (the JIT tests' kernel: it compiles in a few seconds)."""
+    from vllm_megamoe import BufferLayout, MoEShape
+    from vllm_megamoe.kernels import sm90_mega_moe
+    from vllm_megamoe.kernels.sm90_tuning import Choice
+    shape = MoEShape(512, 384, 24, 5)
+    return sm90_mega_moe._make_spec(shape, BufferLayout(shape, 1, 64, "bf16"), Choice(4, tile))
 
 
 @needs_nvrtc
 def test_cache_key_tracks_defines_and_sources(private_cache, tmp_path, monkeypatch):
     import shutil
 
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    a = g.kernel_spec(g.GroupedGemmConfig(block_tokens=8))
-    b = g.kernel_spec(g.GroupedGemmConfig(block_tokens=16))
+    a, b = _small_spec(32), _small_spec(64)
     assert jit.cache_key(a, "nvrtc") != jit.cache_key(b, "nvrtc")
     assert jit.cache_key(a, "nvrtc") == jit.cache_key(a, "nvrtc")
     # An edit to any header changes the key.
@@ -180,9 +130,7 @@ def test_compile_error_carries_log(private_cache, tmp_path, monkeypatch):
 
 @needs_nvrtc
 def test_atomic_cache_writes_leave_no_temporaries(private_cache):
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    jit.compile_kernel(g.kernel_spec(g.GroupedGemmConfig(block_tokens=16)), "nvrtc")
+    jit.compile_kernel(_small_spec(), "nvrtc")
     names = os.listdir(private_cache)
     assert any(n.endswith(".cubin") for n in names)
     assert not [n for n in names if n.endswith(".tmp")]
@@ -198,9 +146,7 @@ def _nvcc_found() -> bool:
 @pytest.mark.skipif(not _nvcc_found(), reason="nvcc not installed")
 def test_nvcc_and_nvrtc_agree_on_resources(private_cache):
     """The nvcc path compiles the same source; both report no spills."""
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
-
-    spec = g.kernel_spec(g.GroupedGemmConfig(block_tokens=64))
+    spec = _small_spec()
     compiled = jit.compile_kernel(spec, "nvcc")
     assert compiled.cubin[:4] == b"\x7fELF"
     assert _resources(compiled.log)[1] == 0
@@ -211,34 +157,43 @@ FUSED_CASES = [("v4-flash", 4096, 2048, 256, 6), ("deepseek-v3", 7168, 2048, 256
                ("qwen3-30b-a3b", 2048, 768, 128, 8)]
 
 
+_V4 = ("v4-flash", 4096, 2048, 256, 6)
+
+
+def _v4_buf(fmt="fp8-block"):
+    from vllm_megamoe import BufferLayout, MoEShape
+    shape = MoEShape(4096, 2048, 256, 6)
+
+    class _Buf:  # what kernel_spec reads of a SymmBuffer
+        layout = BufferLayout(shape, 2, 4096, fmt)
+    return shape, _Buf()
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("mainloop", ["ldg", "smem", "wgmma", "wgmma-64", "tma", "tma-64", "tma-128", "tma-128-wg"])
+@pytest.mark.parametrize("build", ["32", "64", "128", "128-wg"])
 @pytest.mark.parametrize("fmt", ["fp8-block", "bf16"])
 @pytest.mark.parametrize("name,hidden,inter,experts,topk", FUSED_CASES)
 def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, hidden, inter, experts, topk, fmt,
-                                              mainloop):
-    """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills,
-    with every mainloop (and 64- / 128-token tiles for wgmma / TMA; "-wg": the 128-token epilogue
-    warpgroup, whose tile fits the Qwen3-like layer only); the shared memory it declares fits next
-    to the dynamic mainloop stages."""
-    if fmt == "fp8-block" and mainloop == "wgmma-128":
-        pytest.skip("FP8 128-token tiles need the tma mainloop (test_fp8_128_token_tiles_need_tma)")
-    if mainloop == "tma-128-wg":
-        if name != "qwen3-30b-a3b":
-            pytest.skip("the 128-token epilogue warpgroup's tile does not fit beside 3 stages (the tma-128 build)")
-        monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "1")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", mainloop.split("-")[0])
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", mainloop.split("-")[1] if "-" in mainloop else "32")
+                                              build):
+    """The fused kernel compiles through NVRTC for the standard shapes at EP2, without spills, at
+    32-, 64- and 128-token tiles ("-wg": the 128-token epilogue warpgroup, a probe's build whose tile
+    fits the Qwen3-like layer only); the shared memory it declares fits next to the dynamic stages."""
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
+    options = sm90_mega_moe.SERVING
+    if build == "128-wg":
+        if name != "qwen3-30b-a3b":
+            pytest.skip("the 128-token epilogue warpgroup's tile does not fit beside 3 stages (the 128 build)")
+        options = sm90_mega_moe.BuildOptions(epilogue_warpgroup_128=True)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", build.split("-")[0])
     shape = MoEShape(hidden, inter, experts, topk)
 
     class _Buf:  # what kernel_spec reads of a SymmBuffer
         layout = BufferLayout(shape, 2, 4096, fmt)
 
-    spec = sm90_mega_moe.kernel_spec(shape, _Buf())
-    assert (sm90_mega_moe.threads_per_cta(spec) == 384) == (mainloop in ("tma", "tma-64", "tma-128-wg"))
+    spec = sm90_mega_moe.kernel_spec(shape, _Buf(), None, options)
+    assert (sm90_mega_moe.threads_per_cta(spec) == 384) == (build in ("32", "64", "128-wg"))
     compiled = jit.compile_kernel(spec, "nvrtc")
     assert len(compiled.cubin) > 10_000
     _, spills = _resources(compiled.log)
@@ -255,100 +210,85 @@ def test_fused_mega_kernel_compiles_for_sm90a(private_cache, monkeypatch, name, 
         assert int(static.group(1)) + sm90_mega_moe.dynamic_smem_bytes(spec) <= 227 * 1024
 
 
-def test_fp8_128_token_tiles_need_tma(monkeypatch):
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "wgmma")
-    from vllm_megamoe import BufferLayout, MoEShape
+def test_fp8_128_token_tiles_need_three_stages(monkeypatch):
     from vllm_megamoe.kernels import sm90_mega_moe
 
-    shape = MoEShape(4096, 2048, 256, 6)
-
-    class _Buf:
-        layout = BufferLayout(shape, 2, 4096, "fp8-block")
-
-    with pytest.raises(ValueError, match="FP8 128-token tiles need the tma mainloop"):
-        sm90_mega_moe.kernel_spec(shape, _Buf())
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
-    assert str(dict(sm90_mega_moe.kernel_spec(shape, _Buf()).defines)["MEGAMOE_TILE_TOKENS"]) == "128"
+    shape, buf = _v4_buf()
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
+    assert str(dict(sm90_mega_moe.kernel_spec(shape, buf).defines)["MEGAMOE_TILE_TOKENS"]) == "128"
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_STAGES", "2")  # the register-token loop needs 3 or more
     with pytest.raises(ValueError, match="FP8 128-token tiles need 3 or more stages"):
-        sm90_mega_moe.kernel_spec(shape, _Buf())
+        sm90_mega_moe.kernel_spec(shape, buf)
 
 
-@pytest.mark.parametrize("var,good,define,value,bad", [
-    ("VLLM_MEGAMOE_SM90_ABLATE", "promotion+mma", "MEGAMOE_ABLATE", "3", "epilogues"),
-    ("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1", "MEGAMOE_CHUNK_TRACE", "1", "maybe")])
-def test_profiling_builds_are_opt_in(monkeypatch, var, good, define, value, bad):
-    """VLLM_MEGAMOE_SM90_ABLATE / _CHUNK_TRACE add their define (and a separate cache entry); bad
-    values are refused with the variable's name."""
-    from vllm_megamoe import BufferLayout, MoEShape
+def test_no_mainloop_switch_is_left():
+    """One mainloop: the kernel's sources test no mainloop define, the op passes none and reads no
+    VLLM_MEGAMOE_SM90_MAINLOOP."""
+    import pathlib
+    from vllm_megamoe.kernels import sm90_mega_moe
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for path in [*(jit.csrc_dir() / "sm90").rglob("*.cu*"), *(root / "vllm_megamoe" / "kernels").glob("*.py")]:
+        text = path.read_text()
+        assert "MEGAMOE_SMEM_MAINLOOP" not in text and "SM90_MAINLOOP" not in text, path
+    shape, buf = _v4_buf()
+    assert not [k for k in dict(sm90_mega_moe.kernel_spec(shape, buf).defines) if "MAINLOOP" in k and "STAGES" not in k
+                and "SMEM_BYTES" not in k]
+
+
+@pytest.mark.parametrize("field,good,define,value", [
+    ("ablate", 3, "MEGAMOE_ABLATE", "3"),
+    ("chunk_trace", True, "MEGAMOE_CHUNK_TRACE", "1")])
+def test_profiling_builds_are_opt_in(monkeypatch, field, good, define, value):
+    """BuildOptions.ablate / chunk_trace add their define (and a separate cache entry); no
+    environment variable reaches them; bad ablation names are refused."""
     from vllm_megamoe.kernels import sm90_mega_moe
 
-    shape = MoEShape(4096, 2048, 256, 6)
-
-    class _Buf:
-        layout = BufferLayout(shape, 2, 4096, "fp8-block")
-
-    buf = _Buf()
+    shape, buf = _v4_buf()
     plain = sm90_mega_moe.kernel_spec(shape, buf)
     assert define not in dict(plain.defines)
-    monkeypatch.setenv(var, good)
-    profiled = sm90_mega_moe.kernel_spec(shape, buf)
+    for var in ("VLLM_MEGAMOE_SM90_ABLATE", "VLLM_MEGAMOE_SM90_CHUNK_TRACE"):  # the old switches do nothing
+        monkeypatch.setenv(var, "1")
+    assert sm90_mega_moe.kernel_spec(shape, buf) == plain
+    profiled = sm90_mega_moe.kernel_spec(shape, buf, None, sm90_mega_moe.BuildOptions(**{field: good}))
     assert dict(profiled.defines)[define] == value and profiled != plain
-    monkeypatch.setenv(var, bad)
-    with pytest.raises(ValueError, match=f"{var}={bad!r}"):
-        sm90_mega_moe.kernel_spec(shape, buf)
-    monkeypatch.delenv(var)
+    assert sm90_mega_moe.parse_ablation("promotion+mma") == 3 and sm90_mega_moe.parse_ablation("") == 0
+    with pytest.raises(ValueError, match="ablate='epilogues'"):
+        sm90_mega_moe.parse_ablation("epilogues")
     assert sm90_mega_moe.kernel_spec(shape, buf) == plain
 
 
-def test_ablation_warning_says_whether_outputs_are_right(monkeypatch, caplog):
+def test_ablation_warning_says_whether_outputs_are_right(caplog):
     """keep_padding alone changes only what padding rows compute (its outputs are right: the
     zeroing's A/B); with any other ablation the build's outputs are wrong, and the warning says which."""
     import logging
 
-    from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
-    shape = MoEShape(4096, 2048, 256, 6)
-
-    class _Buf:
-        layout = BufferLayout(shape, 2, 4096, "fp8-block")
-
+    shape, buf = _v4_buf()
     for value, says in (("keep_padding", "outputs are right"), ("keep_padding+mma", "outputs are wrong"),
                         ("tma", "outputs are wrong")):
-        monkeypatch.setenv("VLLM_MEGAMOE_SM90_ABLATE", value)
+        bits = sm90_mega_moe.parse_ablation(value)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            sm90_mega_moe.kernel_spec(shape, _Buf())
-        assert any(says in r.getMessage() and value in r.getMessage() for r in caplog.records), (value, caplog.text)
+            sm90_mega_moe.kernel_spec(shape, buf, None, sm90_mega_moe.BuildOptions(ablate=bits))
+        assert any(says in r.getMessage() and str(bits) in r.getMessage() for r in caplog.records), (value, caplog.text)
 
 
-def test_chunk_trace_task_is_chosen_per_build(monkeypatch):
-    """VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK picks the traced L1 task of a trace build (default
+def test_chunk_trace_task_is_chosen_per_build():
+    """BuildOptions.trace_task picks the traced L1 task of a trace build (default
     phase_clock.TRACE_TASK), is a separate build per task, is ignored without the trace, and a bad
-    value is refused with the variable's name."""
-    from vllm_megamoe import BufferLayout, MoEShape
+    value is refused."""
     from vllm_megamoe.kernels import phase_clock, sm90_mega_moe
+    B = sm90_mega_moe.BuildOptions
 
-    shape = MoEShape(4096, 2048, 256, 6)
-
-    class _Buf:
-        layout = BufferLayout(shape, 2, 4096, "fp8-block")
-
-    buf = _Buf()
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK", "0")
-    assert "MEGAMOE_TRACE_TASK" not in dict(sm90_mega_moe.kernel_spec(shape, buf).defines)  # no trace: no effect
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1")
-    first = sm90_mega_moe.kernel_spec(shape, buf)
+    shape, buf = _v4_buf()
+    assert "MEGAMOE_TRACE_TASK" not in dict(sm90_mega_moe.kernel_spec(shape, buf, None, B(trace_task=0)).defines)
+    first = sm90_mega_moe.kernel_spec(shape, buf, None, B(chunk_trace=True, trace_task=0))
     assert dict(first.defines)["MEGAMOE_TRACE_TASK"] == "0"
-    monkeypatch.delenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK")
-    default = sm90_mega_moe.kernel_spec(shape, buf)
+    default = sm90_mega_moe.kernel_spec(shape, buf, None, B(chunk_trace=True))
     assert dict(default.defines)["MEGAMOE_TRACE_TASK"] == str(phase_clock.TRACE_TASK) and default != first
-    for bad in ("-1", "two", "1.5"):
-        monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK", bad)
-        with pytest.raises(ValueError, match=f"VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK={bad!r}"):
-            sm90_mega_moe.kernel_spec(shape, buf)
+    with pytest.raises(ValueError, match="trace_task=-1"):
+        B(chunk_trace=True, trace_task=-1)
 
 
 def test_ablation_bits_match_the_kernel():
@@ -361,15 +301,10 @@ def test_ablation_bits_match_the_kernel():
     kernel = {re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower(): int(bit) for name, bit in pairs}
     assert kernel == sm90_mega_moe.ABLATIONS
     assert f"#if MEGAMOE_ABLATE & {kernel['tma_warm']}" in (mega / "mainloop_smem.cuh").read_text()
-    # every name is where a user looks it up: the setting's help and docs/serving.md's table
-    import pathlib
-
-    from vllm_megamoe.plugin import settings
-    help_text = settings.KEYS["sm90_ablate"].help
-    serving = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
-    row = next(line for line in serving.splitlines() if line.startswith("| `sm90_ablate`"))
+    # every name is where a developer looks it up: the kernel probe's help
+    from benchmarks import kernel_probe
     for name in kernel:
-        assert name in help_text and f"`{name}`" in row, name
+        assert name in kernel_probe.__doc__, name
 
 
 def test_error_record_phases_match_the_kernel():
@@ -613,149 +548,109 @@ def test_chunk_trace_build_compiles_without_spills(private_cache, monkeypatch):
     """The trace build of the V4-Flash-like FP8 64-token kernel compiles through NVRTC without
     serialised wgmmas (its clock stores sit inside the K loop) and spills no more than the
     epilogue-warpgroup builds do outside their K loops (test_fused_mega_kernel_compiles_for_sm90a)."""
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_CHUNK_TRACE", "1")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "64")
-    from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe
 
-    shape = MoEShape(4096, 2048, 256, 6)
-
-    class _Buf:
-        layout = BufferLayout(shape, 2, 4096, "fp8-block")
-
-    compiled = jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buf()), "nvrtc")
+    shape, buf = _v4_buf()
+    spec = sm90_mega_moe.kernel_spec(shape, buf, None, sm90_mega_moe.BuildOptions(chunk_trace=True))
+    compiled = jit.compile_kernel(spec, "nvrtc")
     assert _resources(compiled.log)[1] <= 48, compiled.log
     assert "serialized" not in compiled.log, compiled.log
     assert "C75" not in compiled.log, compiled.log
 
 
-@pytest.mark.parametrize("mainloop,tile,env,threads", [("tma", 64, None, 384), ("tma", 64, "0", 256), ("tma", 32, None, 384),
-                                                       ("tma", 32, "0", 256), ("wgmma", 64, None, 256),
-                                                       ("tma", 128, None, 256)])
-def test_epilogue_warpgroup_builds(monkeypatch, mainloop, tile, env, threads):
-    """The 32- and 64-token TMA builds run an epilogue warpgroup (384 threads, its tile in static
-    shared memory: 5 stages still fit the 32-token tiles, 4 the 64-token ones), unless
-    VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0; other builds launch 256 threads."""
+@pytest.mark.parametrize("tile,on,threads", [(64, True, 384), (64, False, 256), (32, True, 384), (32, False, 256),
+                                             (128, True, 256)])
+def test_epilogue_warpgroup_builds(monkeypatch, tile, on, threads):
+    """The 32- and 64-token builds run an epilogue warpgroup (384 threads, its tile in static
+    shared memory: 5 stages still fit the 32-token tiles, 4 the 64-token ones), unless a probe's
+    BuildOptions(epilogue_warpgroup=False) says otherwise; the 128-token ones launch 256 threads."""
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
     from vllm_megamoe.kernels.sm90_tuning import Choice
 
     monkeypatch.delenv("VLLM_MEGAMOE_CSRC_DIR", raising=False)  # _make_spec below names no tree; kernel_spec would
-    if env is not None:
-        monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", env)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "0")  # the old switch does nothing
+    options = sm90_mega_moe.BuildOptions(epilogue_warpgroup=on)
     shape = MoEShape(4096, 2048, 256, 6)
 
     class _Buf:
         layout = BufferLayout(shape, 2, 4096, "bf16")
 
-    spec = sm90_mega_moe._make_spec(shape, _Buf.layout, Choice(mainloop, 4, tile))
+    spec = sm90_mega_moe._make_spec(shape, _Buf.layout, Choice(4, tile), options)
     assert sm90_mega_moe.threads_per_cta(spec) == threads
     assert ("MEGAMOE_EPILOGUE_WARPGROUP" in dict(spec.defines)) == (threads == 384)
-    in_stage = sm90_smem.static_smem_bytes(128, 2, tile, "tma")
+    in_stage = sm90_smem.static_smem_bytes(128, 2, tile)
     if threads == 384:
         assert in_stage >= tile * 256 * 2  # the hand-off tile
-        assert sm90_smem.fits(shape, 2, "tma", 5, 32) and not sm90_smem.fits(shape, 2, "tma", 5, 64)
+        assert sm90_smem.fits(shape, 2, 5, 32) and not sm90_smem.fits(shape, 2, 5, 64)
     buf = _Buf()  # the op's per-buffer spec cache tells the two builds apart
-    assert sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile)) == spec
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "1" if env == "0" else "0")
-    other = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
-    assert (other != spec) == (mainloop == "tma" and tile in (32, 64))
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "2")
-    with pytest.raises(ValueError, match="EPILOGUE_WARPGROUP"):
-        sm90_smem.has_epilogue_warpgroup("tma", 64)
+    assert sm90_mega_moe.kernel_spec(shape, buf, Choice(4, tile), options) == spec
+    other = sm90_mega_moe.kernel_spec(shape, buf, Choice(4, tile), sm90_mega_moe.BuildOptions(epilogue_warpgroup=not on))
+    assert (other != spec) == (tile in (32, 64))
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 8])
 def test_epilogue_warpgroup_128_where_its_tile_fits(monkeypatch, ranks):
-    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128=1 gives the 128-token TMA builds an epilogue
-    warpgroup where its 64 KB tile fits beside 3 stages: the Qwen3-like layer (3 stages chosen,
-    the tile in static shared memory), not V4-Flash- or DeepSeek-V3-like (their 128-token builds
-    keep 4 stages and the epilogue in a stage); off by default, and off under
-    VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0; a forced depth that cannot fit is refused."""
+    """BuildOptions(epilogue_warpgroup_128=True) gives the 128-token builds an epilogue warpgroup
+    where its 64 KB tile fits beside 3 stages: the Qwen3-like layer (the tile in static shared
+    memory), not V4-Flash- or DeepSeek-V3-like (their 128-token builds keep the epilogue in a
+    stage); off in the serving builds, and off with epilogue_warpgroup=False; a depth that cannot
+    fit is refused."""
     from vllm_megamoe import BufferLayout, MoEShape
-    from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem, sm90_tuning
+    from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
+    from vllm_megamoe.kernels.sm90_tuning import Choice
 
     qwen3, v4, dsv3 = MoEShape(2048, 768, 128, 8), MoEShape(4096, 2048, 256, 6), MoEShape(7168, 2048, 256, 8)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
-    monkeypatch.delenv("VLLM_MEGAMOE_SM90_STAGES", raising=False)
+    wg128 = sm90_mega_moe.BuildOptions(epilogue_warpgroup_128=True)
 
-    def build(shape):
-        choice = sm90_tuning.choose(shape, "fp8-block", ranks, 8192)
-        spec = sm90_mega_moe._make_spec(shape, BufferLayout(shape, ranks, 4096, "fp8-block"), choice)
-        return choice, sm90_mega_moe.threads_per_cta(spec)
+    def threads(shape, stages, options):
+        spec = sm90_mega_moe._make_spec(shape, BufferLayout(shape, ranks, 4096, "fp8-block"), Choice(stages, 128), options)
+        return sm90_mega_moe.threads_per_cta(spec)
 
-    monkeypatch.delenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", raising=False)
-    assert not sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
-    assert build(qwen3)[1] == 256
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "1")
-    assert sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
-    assert not sm90_smem.has_epilogue_warpgroup("tma", 128)  # no shape: no 128-token warpgroup
-    assert not sm90_smem.has_epilogue_warpgroup("wgmma", 128, qwen3, ranks)
-    choice, threads = build(qwen3)
-    assert (choice.stages, choice.tile, threads) == (3, 128, 384)
-    with_wg = sm90_smem.build_smem_bytes(qwen3, ranks, "tma", 3, 128)
-    assert with_wg <= sm90_smem.SMEM_PER_BLOCK < sm90_smem.build_smem_bytes(qwen3, ranks, "tma", 4, 128)
+    assert not sm90_smem.has_epilogue_warpgroup(128, qwen3, ranks)
+    assert threads(qwen3, 3, sm90_mega_moe.SERVING) == 256
+    assert sm90_smem.has_epilogue_warpgroup(128, qwen3, ranks, enabled_128=True)
+    assert not sm90_smem.has_epilogue_warpgroup(128, enabled_128=True)  # no shape: no 128-token warpgroup
+    assert threads(qwen3, 3, wg128) == 384
+    with_wg = sm90_smem._smem_bytes(qwen3, ranks, 3, 128, True)
+    assert with_wg <= sm90_smem.SMEM_PER_BLOCK < sm90_smem._smem_bytes(qwen3, ranks, 4, 128, True)
     for shape in (v4, dsv3):
-        assert not sm90_smem.has_epilogue_warpgroup("tma", 128, shape, ranks)
-        choice, threads = build(shape)
-        assert (choice.stages, threads) == (4, 256)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "0")
-    assert not sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", "1")
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_STAGES", "4")
-    with pytest.raises(ValueError, match="4 stages of the tma mainloop need"):
-        build(qwen3)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "2")
-    with pytest.raises(ValueError, match="EPILOGUE_WARPGROUP_128='2' must be a boolean"):
-        sm90_smem.has_epilogue_warpgroup("tma", 128, qwen3, ranks)
+        assert not sm90_smem.has_epilogue_warpgroup(128, shape, ranks, enabled_128=True)
+        assert threads(shape, 4, wg128) == 256
+    assert not sm90_smem.has_epilogue_warpgroup(128, qwen3, ranks, enabled=False, enabled_128=True)
+    with pytest.raises(ValueError, match="4 stages need"):
+        threads(qwen3, 4, wg128)
 
 
-@pytest.mark.parametrize("env,mainloop,tile,on", [(None, "tma", 32, True), (None, "tma", 64, False), (None, "tma", 128, False),
-                                                   ("auto", "tma", 32, True), ("1", "tma", 128, True), ("yes", "tma", 64, True),
-                                                   ("0", "tma", 32, False), ("1", "wgmma", 32, False)])
-def test_weights_evict_first_builds(monkeypatch, env, mainloop, tile, on):
-    """The TMA builds compile the weight copies' L2 evict-first policy in where VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST
-    says (auto: the 32-token builds), and a call uses it where the setting says (auto: at most
-    EVICT_FIRST_MAX_TOKENS tokens on the rank); a changed setting is another build; a bad value
-    names the variable."""
+@pytest.mark.parametrize("setting,tile,on", [(None, 32, True), (None, 64, False), (None, 128, False),
+                                             (True, 128, True), (True, 64, True), (False, 32, False)])
+def test_weights_evict_first_builds(monkeypatch, setting, tile, on):
+    """The builds compile the weight copies' L2 evict-first policy in where
+    BuildOptions.weights_evict_first says (None, the serving builds: the 32-token builds), and a
+    call uses it where the setting says (None: at most EVICT_FIRST_MAX_TOKENS tokens on the rank);
+    a changed setting is another build; the old environment switch does nothing."""
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
     from vllm_megamoe.kernels.sm90_tuning import Choice
 
-    if env is not None:
-        monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", env)
+    monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", "0")
     shape = MoEShape(2048, 768, 128, 8)
 
     class _Buf:
         layout = BufferLayout(shape, 2, 4096, "fp8-block")
 
     buf = _Buf()
-    spec = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
+    spec = sm90_mega_moe.kernel_spec(shape, buf, Choice(4, tile), sm90_mega_moe.BuildOptions(weights_evict_first=setting))
     assert ("MEGAMOE_WEIGHTS_EVICT_FIRST" in dict(spec.defines)) == on
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", "0" if on else "1")
-    other = sm90_mega_moe.kernel_spec(shape, buf, Choice(mainloop, 4, tile))
-    assert (other != spec) == (mainloop == "tma")
+    other = sm90_mega_moe.kernel_spec(shape, buf, Choice(4, tile), sm90_mega_moe.BuildOptions(weights_evict_first=not on))
+    assert other != spec
     big = MoEShape(7168, 2048, 256, 8)  # 11 GB of FP8 expert weights on one rank, 5.5 GB on each of two
     limits = {(shape, "fp8-block", 1): 128, (shape, "bf16", 2): 128, (big, "fp8-block", 1): 16, (big, "fp8-block", 2): 16}
-    for setting in (env, "0" if on else "1"):
-        if setting is None:
-            monkeypatch.delenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", raising=False)
-        else:
-            monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", setting)
-        for (layer, fmt, ranks), limit in limits.items():
-            assert sm90_tuning.evict_first_max_tokens(layer, fmt, ranks) == limit
-            calls = [sm90_tuning.weights_evict_first_call(n, layer, fmt, ranks) for n in (1, limit, limit + 1)]
-            if setting in (None, "auto"):
-                assert calls == [True, True, False]
-            else:
-                assert calls == [setting in ("1", "yes")] * 3
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", "first")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST"):
-        sm90_tuning.weights_evict_first_build("tma", 32)
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST"):
-        sm90_tuning.weights_evict_first_call(8, shape, "fp8-block", 1)
+    for (layer, fmt, ranks), limit in limits.items():
+        assert sm90_tuning.evict_first_max_tokens(layer, fmt, ranks) == limit
+        calls = [sm90_tuning.weights_evict_first_call(n, layer, fmt, ranks, setting) for n in (1, limit, limit + 1)]
+        assert calls == ([True, True, False] if setting is None else [setting] * 3)
 
 
 @needs_nvrtc
@@ -781,9 +676,10 @@ def test_weights_evict_first_reaches_the_copies(private_cache, monkeypatch, tmp_
 
     copies = {}
     for env in ("1", "0"):
-        monkeypatch.setenv("VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST", env)
+        options = sm90_mega_moe.BuildOptions(weights_evict_first=env == "1")
         cubin = tmp_path / f"evict_{env}.cubin"
-        cubin.write_bytes(jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buf(), Choice("tma", 4, 32)), "nvrtc").cubin)
+        cubin.write_bytes(jit.compile_kernel(sm90_mega_moe.kernel_spec(shape, _Buf(), Choice(4, 32), options),
+                                             "nvrtc").cubin)
         sass = subprocess.run([nvdisasm, str(cubin)], capture_output=True, text=True, check=True).stdout
         loads = [line for line in sass.splitlines() if "UTMALDG.3D" in line]
         copies[env] = (len(loads), sum("desc[" in line for line in loads))
@@ -810,7 +706,6 @@ def test_128_token_tiles_of_a_small_layer(fmt, monkeypatch):
     from vllm_megamoe import BufferLayout, MoEShape
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_smem
 
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
     small, large = MoEShape(256, 128, 8, 2), MoEShape(512, 256, 8, 2)
     assert not sm90_smem.epilogue_tables_in_mainloop(small, 128) and sm90_smem.epilogue_tables_in_mainloop(large, 128)
@@ -829,7 +724,7 @@ def test_spec_json_round_trip_and_bad_lines(tmp_path):
     spec = jit.KernelSpec.make("sm90/mega_moe_kernel.cu", "megamoe_sm90_fused", {"A": 3, "B": True},
                                extra_options=("-lineinfo",), csrc="/some/tree")
     assert jit.spec_from_json(jit.spec_to_json(spec)) == spec
-    other = jit.KernelSpec.make("sm90/grouped_gemm_kernel.cu", "megamoe_grouped_gemm", {"X": 1})
+    other = jit.KernelSpec.make("sm90/probe/wgmma_rate.cu", "wgmma_rate", {"X": 1})
     path = tmp_path / "specs.jsonl"
     path.write_text("\n".join([jit.spec_to_json(spec), "", jit.spec_to_json(other), jit.spec_to_json(spec)]) + "\n")
     assert jit.read_specs(path) == [spec, other]

@@ -8,12 +8,20 @@ from vllm_megamoe.kernels import phase_clock
 def test_variants_map_to_the_kernel_knobs():
     assert kp.variant_env("default") == {}
     assert kp.variant_env("stages=3") == {"VLLM_MEGAMOE_SM90_STAGES": "3"}
-    assert kp.variant_env("mainloop=ldg") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "ldg"}
-    assert kp.variant_env("mainloop=wgmma,stages=5") == {"VLLM_MEGAMOE_SM90_MAINLOOP": "wgmma",
-                                                        "VLLM_MEGAMOE_SM90_STAGES": "5"}
-    assert kp.variant_env("trace=1") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1"}
-    assert kp.variant_env("trace=1,trace_task=0") == {"VLLM_MEGAMOE_SM90_CHUNK_TRACE": "1",
-                                                      "VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK": "0"}
+    assert kp.variant_env("tile=64,stages=5") == {"VLLM_MEGAMOE_SM90_TOKEN_TILE": "64",
+                                                 "VLLM_MEGAMOE_SM90_STAGES": "5"}
+    # development builds go to the op as BuildOptions, not through the environment
+    from vllm_megamoe.kernels.sm90_mega_moe import SERVING, BuildOptions
+    assert kp.variant_env("trace=1,trace_task=0") == {}
+    assert kp.variant_options("trace=1,trace_task=0") == BuildOptions(chunk_trace=True, trace_task=0)
+    assert kp.variant_options("default") == kp.variant_options("stages=3") == SERVING
+    assert kp.variant_options("ablate=mma+tma,epilogue_wg=0,epilogue_wg128=1,evict_first=auto") == \
+        BuildOptions(ablate=18, epilogue_warpgroup=False, epilogue_warpgroup_128=True, weights_evict_first=None)
+    assert kp.variant_options("evict_first=1").weights_evict_first is True
+    assert kp.variant_env("csrc=x,trace=1") == {"VLLM_MEGAMOE_CSRC_DIR": "x"}
+    for bad in ("mainloop=wgmma", "ablate=epilogues", "trace_task=two", "trace=maybe"):
+        with pytest.raises(ValueError, match="variant"):
+            kp.variant_options(bad)
     assert kp.variant_env("csrc=.probe_base/csrc") == {"VLLM_MEGAMOE_CSRC_DIR": ".probe_base/csrc"}
     for bad in ("stages", "depth=3", "stages=", "stages=3,", "csrc="):
         with pytest.raises(ValueError, match="variant"):

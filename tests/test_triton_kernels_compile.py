@@ -23,7 +23,7 @@ def _compile(fn, signature, constexprs, aligned, **options):
 
 
 def test_combine_scatter_compiles_to_vector_stores():
-    from vllm_megamoe import portable_combine
+    from vllm_megamoe.portable import combine as portable_combine
     sig = {"out_ptr": "*bf16", "width": "i32", "anchor_ptr": "*bf16", "deltas_ptr": "*i64", "peer_ptr": "*i64",
            "dst_row_ptr": "*i64", "live_ptr": "*i8", "pitch": "i32", "BLOCK": "constexpr"}
     # Triton specialises 16-byte aligned pointers and integers divisible by 16 at run time, as
@@ -34,7 +34,7 @@ def test_combine_scatter_compiles_to_vector_stores():
 
 
 def test_grouped_fp8_gemm_compiles_for_sm90():
-    from vllm_megamoe import portable_gemm
+    from vllm_megamoe.portable import gemm as portable_gemm
     sig = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
            "out_ptr": "*bf16", "ends_ptr": "*i32", "tile_ends_ptr": "*i32", "N": "i32", "K": "i32", "G": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "G_POW2": "constexpr"}
@@ -46,7 +46,8 @@ def test_grouped_fp8_gemm_compiles_for_sm90():
 
 
 def test_swiglu_quantize_compiles_for_sm90():
-    from vllm_megamoe import portable_activation, quant
+    from vllm_megamoe import quant
+    from vllm_megamoe.portable import activation as portable_activation
     sig = {"gate_up_ptr": "*bf16", "weight_ptr": "*fp32", "ends_ptr": "*i32", "q_ptr": "*fp8e4nv",
            "scale_ptr": "*fp32", "inter": "i32", "num_experts": "i32", "clamp": "fp32", "HAS_CLAMP": "constexpr",
            "GROUP": "constexpr", "AMAX_FLOOR": "constexpr", "FP8_MAX": "constexpr"}
@@ -58,7 +59,7 @@ def test_swiglu_quantize_compiles_for_sm90():
 
 
 def test_topk_reduce_compiles_for_sm90():
-    from vllm_megamoe import portable_combine
+    from vllm_megamoe.portable import combine as portable_combine
     sig = {"combine_ptr": "*bf16", "topk_ptr": "*i32", "y_ptr": "*bf16", "slot_pitch": "i32",
            "row_pitch": "i32", "hidden": "i32", "TOPK": "constexpr", "BLOCK": "constexpr"}
     # Pointers, pitches and hidden are multiples of 16 for every supported layer (Triton

@@ -42,12 +42,12 @@ namespace megamoe {
 
 // The thread's index in its CTA. NVVM reads the builtin threadIdx.x once at the kernel's start and
 // keeps it live through every phase. In the builds with an epilogue warpgroup (168 registers) ptxas
-// spilled it and refilled it from local memory on every task's path (docs/kernel_notes.md v32):
+// spilled it and refilled it from local memory on every task's path (docs/kernel_design.md):
 // there it is read anew at each call, a volatile asm that is never merged with another read or
 // hoisted. The K loops read it once at their entry and hand it to their helpers (their `tid`
 // argument): read at each use inside them it lengthened the FP8 128-token loops by 11-14 %. The
 // builds without the warpgroup (128-token tiles, 242-255 registers) spill nothing and keep the
-// builtin: read once per K loop it still cost them 7-11 % of their loops' instructions (v33).
+// builtin: read once per K loop it still cost them 7-11 % of their loops' instructions.
 MEGAMOE_DEVICE u32 thread_index() {
 #if defined(MEGAMOE_EPILOGUE_WARPGROUP) && MEGAMOE_EPILOGUE_WARPGROUP
   u32 tid;

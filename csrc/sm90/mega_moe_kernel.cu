@@ -16,9 +16,7 @@
 using namespace megamoe;
 using namespace megamoe::mega;
 
-#if MEGAMOE_SMEM_MAINLOOP
 extern __shared__ __align__(16) u8 dynamic_smem[];  // the mainloop's stages (MainloopSmem)
-#endif
 
 // L1 + SwiGLU, then L2 + combine writes, task by task (the MMA warpgroups' part with an epilogue
 // warpgroup). Every value is rebuilt here from the kernel's parameters and shared memory: values
@@ -26,11 +24,7 @@ extern __shared__ __align__(16) u8 dynamic_smem[];  // the mainloop's stages (Ma
 MEGAMOE_DEVICE void gemm_phases(const ExpertTable& table, EpilogueSmem& epilogue, TaskClock& clock, const Params& p,
                                 const TensorMap& w13_map, const TensorMap& w2_map, const TensorMap& l1_map,
                                 const TensorMap& l2_map) {
-#if MEGAMOE_SMEM_MAINLOOP
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
-#else
-  MainloopSmem* mainloop = nullptr;
-#endif
   const Regions me{p.peers[p.rank]};
   const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
   const u32 blocks = table.block_start[kNumLocalExperts];
@@ -71,23 +65,17 @@ megamoe_sm90_fused(const __grid_constant__ Params p, const __grid_constant__ Ten
   __shared__ EpilogueSmem epilogue;
   __shared__ TaskClock clock;
   task_clock_init(p, clock);
-#if MEGAMOE_SMEM_MAINLOOP
   MainloopSmem* mainloop = mainloop_smem_at(dynamic_smem);
   init_mainloop(*mainloop);  // the TMA mainloop's stage barriers (visible after the dispatch barrier)
   if (thread_index() == 0) init_handoff(epilogue);  // the epilogue warpgroup's (likewise)
-#else
-  MainloopSmem* mainloop = nullptr;
-#endif
   const Regions me{p.peers[p.rank]};
   const TmaMaps maps{&w13_map, &w2_map, &l1_map, &l2_map};
-#if MEGAMOE_SMEM_MAINLOOP >= 3
   if (thread_index() == 0) {  // the four descriptors into the cache now, not at each phase's first copy
     tma_prefetch_descriptor(maps.w13);
     tma_prefetch_descriptor(maps.w2);
     tma_prefetch_descriptor(maps.l1);
     tma_prefetch_descriptor(maps.l2);
   }
-#endif
   const u32 num_ctas = gridDim.x;
   // Calls made on this buffer before this one (CTA 0 bumps it at the end, once every CTA passed
   // the last NVLink barrier): the NVLink barriers' targets.

@@ -58,7 +58,7 @@ def inputs(shape, tokens_per_rank, case, seed, device):
     return out
 
 
-def run_cases(rank, world, group, shape_name, fmt, cases, compare_portable=True, calls_per_case=1):
+def run_cases(rank, world, group, shape_name, fmt, cases, compare_portable=True, calls_per_case=1, options=None):
     """Run each (tokens_per_rank, case, seed) through the kernel on this rank; return error rows."""
     shape = SHAPES[shape_name]
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -75,7 +75,7 @@ def run_cases(rank, world, group, shape_name, fmt, cases, compare_portable=True,
         for call in range(calls_per_case):
             x, idx, tw = inputs(shape, tokens_per_rank, case, seed + 1000 * call, dev)[rank]
             y = torch.full((x.shape[0], shape.hidden), float("nan"), dtype=torch.bfloat16, device=dev)
-            sm90_mega_moe.mega_moe(x, idx, tw, local, buf, y=y)
+            sm90_mega_moe.mega_moe(x, idx, tw, local, buf, y=y, options=options or sm90_mega_moe.SERVING)
             torch.cuda.synchronize(dev)
             emulate = "fp8" if fmt == "fp8-block" else "bf16"
             ref_emu = reference.moe_forward_per_expert(x, idx, tw, shape.num_experts, expert_weights,

@@ -14,10 +14,11 @@ import torch  # noqa: E402
 from mega_cases import EMULATED_BOUND, run_cases  # noqa: E402
 
 
-def check(fmt, tokens, routing, label):
+def check(fmt, tokens, routing, label, options=None):
     if len(sys.argv) > 1 and not any(arg in label for arg in sys.argv[1:]):
         return
-    rows = run_cases(0, 1, None, "small-odd", fmt, [([tokens], routing, 3)], compare_portable=False)
+    rows = run_cases(0, 1, None, "small-odd", fmt, [([tokens], routing, 3)], compare_portable=False,
+                     options=options)
     worst = max(r["err_emulated"] for r in rows)
     print(f"{label}: worst error vs emulated reference {worst:.2e}", "OK" if worst <= EMULATED_BOUND[fmt] else "FAIL")
 
@@ -32,7 +33,8 @@ if __name__ == "__main__":
     os.environ["VLLM_MEGAMOE_SM90_TOKEN_TILE"] = "128"  # the epilogue tile in a stage
     check("bf16", 300, "uniform", "bf16, 128-token tiles")
     check("fp8-block", 300, "uniform", "fp8-block, 128-token tiles")
-    os.environ["VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128"] = "1"  # the hand-off tile (fits this shape)
-    check("fp8-block", 300, "uniform", "fp8-block, 128-token tiles, epilogue warpgroup")
-    check("bf16", 300, "uniform", "bf16, 128-token tiles, epilogue warpgroup")
+    from vllm_megamoe.kernels.sm90_mega_moe import BuildOptions
+    wg128 = BuildOptions(epilogue_warpgroup_128=True)  # the hand-off tile (fits this shape)
+    check("fp8-block", 300, "uniform", "fp8-block, 128-token tiles, epilogue warpgroup", wg128)
+    check("bf16", 300, "uniform", "bf16, 128-token tiles, epilogue warpgroup", wg128)
     torch.cuda.synchronize()

@@ -73,7 +73,7 @@ def test_multi_gpu(shape_name, fmt):
 def test_token_tiles_one_gpu(shape_name, tile, monkeypatch):
     """FP8 with each token tile forced, whatever the table picks. With 64-token tiles the cases
     mix full token blocks with narrow ones (at most 32 rows: K loop and epilogue over 32 columns),
-    and 1-128 tokens run narrow tasks only; 128-token tiles (opt-in, the tma mainloop's
+    and 1-128 tokens run narrow tasks only; 128-token tiles (the
     register-token loop with four row groups per warpgroup) compute every block whole."""
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
     rows = _rank(0, 1, None, shape_name, "fp8-block", CASES_1GPU)
@@ -87,7 +87,6 @@ def test_bf16_token_tiles_one_gpu(shape_name, tile, monkeypatch):
     """BF16 with each token tile forced (the deferred-wait K loop of every TMA build: 32- and
     64-token tiles with the epilogue warpgroup, 128-token tiles with the epilogue in a stage),
     1 to 4096 tokens: tasks shorter and longer than the stages, partial token blocks."""
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
     rows = _rank(0, 1, None, shape_name, "bf16", CASES_1GPU)
     assert_rows([rows], "bf16")
@@ -359,7 +358,6 @@ def test_activation_clamp_128_token_tiles_one_gpu(fmt, monkeypatch):
     from mega_cases import global_weights, inputs
     from vllm_megamoe import SymmBuffer, portable, reference
     from vllm_megamoe.kernels import sm90_mega_moe
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", "128")
     shape = SHAPES["qwen3-30b-a3b"]
     dev = torch.device("cuda", 0)
@@ -386,14 +384,12 @@ def test_epilogue_warpgroup_is_bit_identical_one_gpu(fmt, tile, monkeypatch):
     (SwiGLU on the BF16-rounded gate / up, the FP8 scale per token, the combine rows): the outputs
     of the two builds are equal bit for bit, with full and narrow (or partial) token blocks, with
     and without the activation clamp, and over several calls of one buffer. 128-token tiles: the
-    layers whose 64 KB hand-off tile fits (VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128), against the
+    layers whose 64 KB hand-off tile fits (BuildOptions.epilogue_warpgroup_128), against the
     register epilogue of the FP8 builds and the stage-tile one of the BF16 builds."""
     from mega_cases import global_weights, inputs
     from vllm_megamoe import SymmBuffer
     from vllm_megamoe.kernels import sm90_mega_moe, sm90_tuning
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_MAINLOOP", "tma")
     monkeypatch.setenv("VLLM_MEGAMOE_SM90_TOKEN_TILE", tile)
-    monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128", "1")
     dev = torch.device("cuda", 0)
     cases = ((("qwen3-30b-a3b", [1000, 200]), ("small-odd", [4096, 300])) if tile == "128"
              else (("qwen3-30b-a3b", [1000, 37]), ("v4-flash", [4096, 300])))
@@ -405,10 +401,10 @@ def test_epilogue_warpgroup_is_bit_identical_one_gpu(fmt, tile, monkeypatch):
             x, idx, tw = inputs(shape, [t], "uniform", 41 + t, dev)[0]
             outs = {}
             for on, threads in (("1", 384), ("0", 256)):
-                monkeypatch.setenv("VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP", on)
-                spec = sm90_mega_moe.kernel_spec(shape, buf, sm90_tuning.choose(shape, fmt, 1, t))
+                options = sm90_mega_moe.BuildOptions(epilogue_warpgroup=on == "1", epilogue_warpgroup_128=True)
+                spec = sm90_mega_moe.kernel_spec(shape, buf, sm90_tuning.choose(shape, fmt, 1, t), options)
                 assert sm90_mega_moe.threads_per_cta(spec) == threads  # two different builds run
-                outs[on] = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, activation_clamp=clamp)
+                outs[on] = sm90_mega_moe.mega_moe(x, idx, tw, weights, buf, activation_clamp=clamp, options=options)
             torch.cuda.synchronize()
             assert torch.isfinite(outs["1"]).all()
             assert torch.equal(outs["1"].view(torch.int16), outs["0"].view(torch.int16)), (shape_name, t, clamp)

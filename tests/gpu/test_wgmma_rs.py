@@ -128,8 +128,8 @@ def test_reloading_while_a_group_is_queued_corrupts_it(n):
 def test_queued_group_reading_a_copy_survives_the_reload(n):
     """The same loop with group 1 reading a copy of the fragment in other registers (reuse 2; the
     copy an XOR with blockIdx.x, so ptxas cannot fold it back into the fragment): both groups
-    right. The hazard is the register overlap, not a window after wait_group (v12 believed the
-    latter from a build whose copy ptxas 13.0 had folded away; kernel_notes v23), so a K loop may
+    right. The hazard is the register overlap, not a window after wait_group (an earlier build believed the
+    latter from a build whose copy ptxas 13.0 had folded away; docs/kernel_design.md), so a K loop may
     keep a register-A group in flight across a reload of another register set."""
     a, b, a2, ref, scale = reuse_case(n)
     d, d2 = run_check(n, a, b, a2, reuse=2)

@@ -10,15 +10,5 @@ __all__ = [
     "KernelCompileError",
     "KernelSpec",
     "compile_kernel",
-    "grouped_gemm_bf16",
-    "grouped_gemm_fp8_block",
     "nvrtc_available",
 ]
-
-
-def __getattr__(name):
-    if name in ("grouped_gemm_fp8_block", "grouped_gemm_bf16"):  # import torch only when asked
-        from . import sm90_grouped_gemm
-
-        return getattr(sm90_grouped_gemm, name)
-    raise AttributeError(name)

@@ -54,12 +54,11 @@ def describe(values: list[int]) -> Optional[str]:
                 "VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.")
     if kind == KIND_STAGE_TIMEOUT:
         return (f"megamoe: rank {rank} CTA {cta} timed out in {where}: TMA stage {a} (use {b}) never landed; "
-                "a copy that does not complete is a kernel bug: please report it with this line, and run "
-                "with VLLM_MEGAMOE_SM90_MAINLOOP=wgmma meanwhile.")
+                "a copy that does not complete is a kernel bug: please report it with this line.")
     if kind == KIND_HANDOFF_TIMEOUT:  # only the MMA warpgroups' wait for the tile has a deadline (a = 1)
         return (f"megamoe: rank {rank} CTA {cta} timed out in {where} waiting for the epilogue warpgroup's "
                 f"release of the tile (hand-off {b}); the other side of the CTA stalled, a kernel bug: please "
-                "report it with this line, and run with VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP=0 meanwhile.")
+                "report it with this line.")
     if kind == KIND_STAGING_FULL:
         return (f"megamoe: rank {rank} received {a} rows but staging holds {b}; build the SymmBuffer "
                 "without ring_rows or with more of them.")

@@ -4,17 +4,16 @@ Kernels are compiled for one architecture (``sm_90a``) by NVRTC (through cuda-py
 ``cuda.bindings.nvrtc``) or by ``nvcc`` when asked for, cached as cubins on disk, loaded with the
 driver API and launched on torch's current stream (so CUDA graphs capture the launches).
 
-Environment:
-  VLLM_MEGAMOE_JIT_COMPILER  nvrtc | nvcc | auto (default auto: NVRTC if it loads, else nvcc)
-  VLLM_MEGAMOE_CACHE_DIR     cubin cache folder (default ~/.cache/vllm_megamoe/jit)
-  VLLM_MEGAMOE_CSRC_DIR      where the CUDA sources live (default: the package's csrc)
-  VLLM_MEGAMOE_NVCC          nvcc executable (default: nvcc on PATH, then $CUDA_HOME/bin/nvcc)
-  VLLM_MEGAMOE_JIT_LINEINFO  1 to compile with -lineinfo (for profilers)
-  VLLM_MEGAMOE_JIT_RECORD    a file to which every kernel spec compiled or taken from the cache
-                             is appended (one JSON line per spec and process; not those of a
-                             VLLM_MEGAMOE_CSRC_DIR tree): `vllm-megamoe precompile FILE` compiles
-                             them elsewhere, without a GPU, into VLLM_MEGAMOE_CACHE_DIR (e.g.
-                             when building a serving image)
+Settings (vllm_megamoe/settings.py; environment VLLM_MEGAMOE_<KEY> or the VLLM_MEGAMOE_CONFIG file):
+  jit_compiler  nvrtc | nvcc | auto (default auto: NVRTC if it loads, else nvcc)
+  cache_dir     cubin cache folder (default ~/.cache/vllm_megamoe/jit)
+  nvcc          nvcc executable (default: nvcc on PATH, then $CUDA_HOME/bin/nvcc)
+  jit_record    a file to which every kernel spec compiled or taken from the cache is appended
+                (one JSON line per spec and process; not those of a csrc_dir tree):
+                `vllm-megamoe precompile FILE` compiles them elsewhere, without a GPU, into
+                cache_dir (e.g. when building a serving image)
+  csrc_dir      (developer) where the CUDA sources live (default: the package's csrc)
+  jit_lineinfo  (developer) 1 to compile with -lineinfo (for profilers)
 
 cuda-python is imported lazily: importing this module needs neither it nor a GPU.
 """
@@ -34,7 +33,7 @@ import tempfile
 import threading
 from typing import Any, Iterable, Iterator, Sequence
 
-from ..env_flags import env_flag
+from ..settings import KEYS, setting
 
 # Bumped whenever the way keys or cubins are produced changes, so stale cache entries are ignored.
 _CACHE_FORMAT = 1
@@ -118,10 +117,10 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def find_nvcc() -> str | None:
-    explicit = os.environ.get("VLLM_MEGAMOE_NVCC")
+    explicit = setting("nvcc")
     if explicit:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-            raise KernelCompileError(f"VLLM_MEGAMOE_NVCC={explicit!r} is not an executable file (point it at nvcc)")
+            raise KernelCompileError(f"{KEYS['nvcc'].env}={explicit!r} is not an executable file (point it at nvcc)")
         return explicit
     found = shutil.which("nvcc")
     if found:
@@ -139,14 +138,12 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def choose_compiler() -> str:
-    wanted = os.environ.get("VLLM_MEGAMOE_JIT_COMPILER", "auto").strip().lower()
-    if wanted not in ("auto", "nvrtc", "nvcc"):
-        raise ValueError(f"VLLM_MEGAMOE_JIT_COMPILER must be nvrtc, nvcc or auto, not {wanted!r}")
+    wanted = setting("jit_compiler")  # a ValueError naming the variable unless nvrtc, nvcc or auto
     if wanted == "nvrtc":
         return "nvrtc"
     if wanted == "nvcc":
         if find_nvcc() is None:
-            raise KernelCompileError("VLLM_MEGAMOE_JIT_COMPILER=nvcc but no nvcc was found (set VLLM_MEGAMOE_NVCC)")
+            raise KernelCompileError(f"{KEYS['jit_compiler'].env}=nvcc but no nvcc was found (set {KEYS['nvcc'].env})")
         return "nvcc"
     if nvrtc_available():
         return "nvrtc"
@@ -160,7 +157,7 @@ def choose_compiler() -> str:
 
 # ----------------------------------------------------------------------------- sources and keys
 def csrc_dir() -> pathlib.Path:
-    explicit = os.environ.get("VLLM_MEGAMOE_CSRC_DIR")
+    explicit = setting("csrc_dir")
     candidates = [pathlib.Path(explicit)] if explicit else []
     package_dir = pathlib.Path(__file__).resolve().parent.parent
     candidates += [package_dir / "csrc", package_dir.parent / "csrc"]
@@ -168,14 +165,14 @@ def csrc_dir() -> pathlib.Path:
         if (candidate / "sm90").is_dir():
             return candidate
     raise FileNotFoundError(
-        "CUDA sources not found (looked in " + ", ".join(str(c) for c in candidates) + "); set VLLM_MEGAMOE_CSRC_DIR"
+        "CUDA sources not found (looked in " + ", ".join(str(c) for c in candidates) + f"); set {KEYS['csrc_dir'].env}"
     )
 
 
 def csrc_override() -> str:
-    """VLLM_MEGAMOE_CSRC_DIR as an absolute path for KernelSpec.csrc, or "" when unset: a spec
-    made with it stays tied to that tree if the variable changes later in the process."""
-    explicit = os.environ.get("VLLM_MEGAMOE_CSRC_DIR")
+    """The csrc_dir setting as an absolute path for KernelSpec.csrc, or "" when unset: a spec
+    made with it stays tied to that tree if the setting changes later in the process."""
+    explicit = setting("csrc_dir")
     return str(pathlib.Path(explicit).resolve()) if explicit else ""
 
 
@@ -268,11 +265,11 @@ _record_lock = threading.Lock()
 
 
 def _record(spec: KernelSpec) -> None:
-    """Appends `spec` to the VLLM_MEGAMOE_JIT_RECORD file, once per process. One write per line,
+    """Appends `spec` to the jit_record file, once per process. One write per line,
     opened for appending: the ranks of a run record into one file without interleaving lines.
-    Specs of another source tree (VLLM_MEGAMOE_CSRC_DIR, an A/B's second tree) are left out: the
+    Specs of another source tree (csrc_dir, an A/B's second tree) are left out: the
     tree is a path of this machine."""
-    path = os.environ.get("VLLM_MEGAMOE_JIT_RECORD")
+    path = setting("jit_record")
     if not path or spec.csrc:
         return
     line = spec_to_json(spec)
@@ -301,7 +298,7 @@ def spec_root(spec: KernelSpec) -> pathlib.Path:
 def _common_options(spec: KernelSpec, root: pathlib.Path) -> list[str]:
     options = ["-std=c++17", f"-I{root}", f"-I{(root / spec.source).parent}", "-DNDEBUG"]
     options += [f"-D{k}={v}" for k, v in spec.defines]
-    if env_flag("VLLM_MEGAMOE_JIT_LINEINFO", False):
+    if setting("jit_lineinfo") == "1":
         options.append("-lineinfo")
     options += list(spec.extra_options)
     return options
@@ -313,7 +310,7 @@ def compiler_identity(compiler: str) -> str:
         return "nvrtc-%d.%d" % nvrtc_version()
     nvcc = find_nvcc()
     if nvcc is None:
-        raise KernelCompileError("no nvcc was found (put it on PATH or set VLLM_MEGAMOE_NVCC)")
+        raise KernelCompileError(f"no nvcc was found (put it on PATH or set {KEYS['nvcc'].env})")
     try:
         return f"nvcc:{nvcc_version(nvcc)}"
     except (OSError, subprocess.SubprocessError) as exc:
@@ -339,7 +336,7 @@ def cache_key(spec: KernelSpec, compiler: str, root: pathlib.Path | None = None)
 
 
 def cache_dir() -> pathlib.Path:
-    explicit = os.environ.get("VLLM_MEGAMOE_CACHE_DIR")
+    explicit = setting("cache_dir")
     return pathlib.Path(explicit) if explicit else pathlib.Path.home() / ".cache" / "vllm_megamoe" / "jit"
 
 

@@ -18,9 +18,9 @@ MARKS = ("start", "staged", "dispatched", "pulled", "l1_start", "l1_done", "l2_s
 SPANS = ("l1_loop", "l1_tasks", "l1_gemm", "l1_epilogue", "l2_loop", "l2_tasks", "l2_wait", "l2_gemm",
          "l2_epilogue")
 COLUMNS = len(MARKS) + len(SPANS)
-# Chunk trace (VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 builds; the constants of phase_clock.cuh, tested):
+# Chunk trace (builds with sm90_mega_moe.BuildOptions.chunk_trace; the constants of phase_clock.cuh, tested):
 # clock64 of lane 0 of each warp at TRACE_POINTS points of K chunks TRACE_FIRST_CHUNK.. of the
-# CTA's L1 task number TRACE_TASK (the default; VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK picks another),
+# CTA's L1 task number TRACE_TASK (the default; BuildOptions.trace_task picks another),
 # as [warp][chunk][point] after the marks and spans.
 WARPS = 8
 TRACE_TASK, TRACE_FIRST_CHUNK, TRACE_CHUNKS = 2, 8, 5

@@ -10,37 +10,31 @@ import ctypes
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..buffer import SymmBuffer
-from ..env_flags import env_flag
 from ..layout import NVL_ARRIVED_RANKS
 from ..shape import MoEShape, check_tensor, require
 from ..weights import ExpertWeights, derived, transform_weights_for_mega_moe
 from . import error_record, jit, sm90_tuning
 from .phase_clock import TRACE_TASK as DEFAULT_TRACE_TASK
-from .sm90_smem import (SMEM_PER_BLOCK, TILE_ROWS, epilogue_tables_in_mainloop, has_epilogue_warpgroup,
+from .sm90_smem import (SMEM_PER_BLOCK, TILE_ROWS, _smem_bytes, epilogue_tables_in_mainloop, has_epilogue_warpgroup,
                         mainloop_smem_bytes, static_smem_bytes)
-from .sm90_tuning import TMA_MAINLOOPS, Choice
+from .sm90_tuning import Choice
 
 SOURCE = "sm90/mega_moe_kernel.cu"
+
 ENTRY = "megamoe_sm90_fused"
 NUM_THREADS = 256  # two MMA warpgroups; builds with an epilogue warpgroup: EPILOGUE_WARPGROUP_THREADS
 EPILOGUE_WARPGROUP_THREADS = 384
 MAX_RANKS = NVL_ARRIVED_RANKS  # one arrival word per source rank and NVLink barrier (layout)
 MAX_LOCAL_EXPERTS = 512
-# Mainloop builds (the `mainloop` of sm90_tuning.Choice), csrc/sm90/mega/mainloop_smem.cuh:
-#   "tma" (the heuristic's): the wgmma stages filled by TMA box copies on per-stage mbarriers (one
-#     issuing thread; H200 EP2, three shapes, 1-8192 tokens per rank: 1.03-1.16x faster than wgmma);
-#   "wgmma": cp.async into 128-byte swizzled shared-memory stages, warpgroup wgmma
-#     (H200, V4-Flash-like EP2: 1.2x the smem build at 8 tokens per rank, 2x at 1024-8192);
-#   "smem": the same stages padded instead of swizzled, warp-level mma.sync;
-#   "ldg": fragments loaded straight from global memory (the first version).
-# Which one a call runs, with how many stages and which token tile: sm90_tuning.choose.
+# One mainloop (csrc/sm90/mega/mainloop_smem.cuh): wgmma stages filled by TMA box copies on
+# per-stage mbarriers. Which stages and token tile a call runs: sm90_tuning.choose.
 logger = logging.getLogger(__name__)
-MAINLOOPS = {"ldg": 0, "smem": 1, "wgmma": 2, "tma": 3}
 
 
 class _Params(ctypes.Structure):
@@ -83,29 +77,113 @@ def supports_layer(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[bool, str
     return True, "supported"
 
 
-def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = None) -> jit.KernelSpec:
+# Profiling only: BuildOptions.ablate is a '+'-joined subset of these names (benchmarks/kernel_probe.py
+# `ablate=`), a build that drops that part of the GEMM mainloop (MEGAMOE_ABLATE,
+# csrc/sm90/mega/config.cuh) so the probe can time what is left: token_rows: every token box reads
+# the first staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at
+# all, the math runs on stale stages; tma_warm: only each CTA's first S chunks are copied, later
+# chunks compute on those real bytes; narrow: every task of an FP8 64-token build computes only its
+# first 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued;
+# epilogue: the epilogue warpgroup takes each hand-off and computes and stores nothing, builds
+# without one skip their epilogues; keep_padding: the FP8 register-token loops compute the token
+# box's padding rows on the bytes it read instead of zeros (outputs right, the A/B of the zeroing);
+# stores / transpose: the FP8 128-token epilogues that store from the registers compute every value
+# but store no row / store without their quad transposes (what the stores and the shuffles cost);
+# task_scales: FP8 tasks past a CTA's first of a phase skip loading their scale tables (what that
+# load costs at each task's start). Its outputs are wrong (but with keep_padding alone); the op logs
+# a warning with every such build.
+ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
+             "half_rows": 128, "epilogue": 256, "keep_padding": 512, "stores": 1024, "transpose": 2048,
+             "task_scales": 4096}
+ABLATIONS_WITH_RIGHT_OUTPUTS = ABLATIONS["keep_padding"]
+
+
+def parse_ablation(raw: str) -> int:
+    """'mma+tma' -> the MEGAMOE_ABLATE bits of those ablations ('' -> 0)."""
+    if not raw:
+        return 0
+    parts = raw.split("+")
+    require(all(part in ABLATIONS for part in parts),
+            f"ablate={raw!r} must be empty or a '+'-joined subset of {sorted(ABLATIONS)}")
+    return sum(ABLATIONS[part] for part in set(parts))
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Development switches of a build, chosen by the caller (benchmarks/kernel_probe.py and the
+    GPU tests pass them to mega_moe / kernel_spec / load_kernel / grid_size); the serving path
+    always runs SERVING, the defaults, and no environment variable changes them.
+
+    ablate: MEGAMOE_ABLATE bits (parse_ablation; profiling, outputs wrong but for keep_padding).
+    chunk_trace: the FP8 K loop records clock values inside a few K chunks of one L1 task per CTA,
+      and the task trace, into the phase clock (kernels.phase_clock.chunk_trace / task_trace;
+      MEGAMOE_CHUNK_TRACE in csrc/sm90/mega/phase_clock.cuh); outputs right, the traced chunks a
+      little slower. trace_task: which of a CTA's L1 tasks it traces, counted from 0 (default
+      phase_clock.TRACE_TASK, 2: past the first tasks' start-up at prefill; 0 at a few tokens per
+      rank, where a CTA runs one L1 task).
+    epilogue_warpgroup: False builds the 32- and 64-token tiles without their epilogue warpgroup
+      (the epilogues on the MMA warpgroups; an A/B, and what a source tree from before it needs).
+    epilogue_warpgroup_128: True gives the 128-token builds an epilogue warpgroup where its 64 KB
+      tile fits beside 3 stages (Qwen3-30B-A3B-like layers; an A/B: 1.01-1.06x the time on one H200).
+    weights_evict_first: None (serving: the 32-token builds, calls of a few tokens per rank,
+      sm90_tuning.weights_evict_first_*), True / False: every build and call copies the weights with
+      an L2 evict-first policy / none does (an A/B).
+    """
+    ablate: int = 0
+    chunk_trace: bool = False
+    trace_task: int = DEFAULT_TRACE_TASK
+    epilogue_warpgroup: bool = True
+    epilogue_warpgroup_128: bool = False
+    weights_evict_first: Optional[bool] = None
+
+    def __post_init__(self):
+        require(0 <= self.ablate < 2 * max(ABLATIONS.values()), f"ablate={self.ablate} is not a set of ABLATIONS bits")
+        require(self.trace_task >= 0, f"trace_task={self.trace_task} must be 0 or more")
+
+    def epilogue_wg(self, tile: int, shape: MoEShape, num_ranks: int) -> bool:
+        return has_epilogue_warpgroup(tile, shape, num_ranks, enabled=self.epilogue_warpgroup,
+                                      enabled_128=self.epilogue_warpgroup_128)
+
+
+SERVING = BuildOptions()
+
+
+def _fitted(shape: MoEShape, num_ranks: int, choice: Choice, options: BuildOptions) -> Choice:
+    """`choice` for a development build whose epilogue warpgroup differs from the serving build's:
+    as many stages as fit with it (sm90_tuning sizes the serving builds), unless
+    VLLM_MEGAMOE_SM90_STAGES forces the depth (then the op's shared-memory error says why)."""
+    if options == SERVING or "stages" in sm90_tuning.env_overrides():
+        return choice
+    wg = options.epilogue_wg(choice.tile, shape, num_ranks)
+    stages = choice.stages
+    while stages > 2 and (_smem_bytes(shape, num_ranks, stages, choice.tile, wg) > SMEM_PER_BLOCK):
+        stages -= 1
+    return Choice(stages, choice.tile)
+
+
+def kernel_spec(shape: MoEShape, buffer: SymmBuffer, choice: Optional[Choice] = None,
+                options: BuildOptions = SERVING) -> jit.KernelSpec:
     """The compiled build of `choice` (default: the layer's first, sm90_tuning.choices) for
-    `shape` on `buffer` (cached on the buffer: the op asks for it on every call)."""
+    `shape` on `buffer` with the development `options` (cached on the buffer: the op asks for it
+    on every call)."""
     fmt, ranks = buffer.layout.format, buffer.layout.num_ranks
-    choice = choice or sm90_tuning.choices(shape, fmt, ranks)[0]
-    ablate, trace = ablation_from_env(), chunk_trace_from_env()
-    trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
+    choice = _fitted(shape, ranks, choice or sm90_tuning.choices(shape, fmt, ranks)[0], options)
     # VLLM_MEGAMOE_CSRC_DIR: another source tree is another build (the raw value keys the cache,
-    # so the per-call lookup resolves no path); so is a build without its epilogue warpgroup
-    key = (shape, choice, ablate, trace, trace_task, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"),
-           has_epilogue_warpgroup(choice.mainloop, choice.tile, shape, buffer.layout.num_ranks), sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile))
+    # so the per-call lookup resolves no path)
+    key = (shape, choice, options, os.environ.get("VLLM_MEGAMOE_CSRC_DIR"))
     cache = buffer.__dict__.setdefault("_sm90_specs", {})
     if key not in cache:
-        cache[key] = _make_spec(shape, buffer.layout, choice, ablate, trace, trace_task, jit.csrc_override())
+        cache[key] = _make_spec(shape, buffer.layout, choice, options, jit.csrc_override())
     return cache[key]
 
 
 def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: int,
-                       buffer_shape: Optional[MoEShape] = None) -> list[jit.KernelSpec]:
+                       buffer_shape: Optional[MoEShape] = None, options: BuildOptions = SERVING) -> list[jit.KernelSpec]:
     """Every build the op may load for layers of `shapes` served by one buffer of `num_ranks` ranks
     and `max_tokens_per_rank` (of `buffer_shape`, by default the smallest that covers every shape, as
     the plugin's worker buffer does): what `load_kernel` compiles at each layer's first call, under
-    the same VLLM_MEGAMOE_* settings. Needs no GPU; `vllm-megamoe precompile` compiles them."""
+    the same VLLM_MEGAMOE_* settings (`options`: a probe's development builds). Needs no GPU;
+    `vllm-megamoe precompile` compiles them."""
     from ..layout import BufferLayout
     shapes = list(dict.fromkeys(shapes))
     buffer_shape = buffer_shape or MoEShape.covering(shapes)
@@ -113,111 +191,52 @@ def layer_kernel_specs(shapes, fmt: str, num_ranks: int, max_tokens_per_rank: in
         mismatch = shape.buffer_mismatch(buffer_shape, num_ranks)
         require(mismatch is None, mismatch)
     layout = BufferLayout(buffer_shape, num_ranks, max_tokens_per_rank, fmt)
-    ablate, trace = ablation_from_env(), chunk_trace_from_env()
-    trace_task = chunk_trace_task_from_env() if trace else DEFAULT_TRACE_TASK
     specs = []
     for shape in shapes:
         shape.validate(num_ranks)
         ok, why = supports_layer(shape, fmt, num_ranks)
         require(ok, f"the SM90 kernel does not run layer {shape.spec()}: {why}")
-        specs += [_make_spec(shape, layout, choice, ablate, trace, trace_task, jit.csrc_override())
+        specs += [_make_spec(shape, layout, _fitted(shape, num_ranks, choice, options), options, jit.csrc_override())
                   for choice in sm90_tuning.choices(shape, fmt, num_ranks)]
     return list(dict.fromkeys(specs))
 
 
-# Profiling only: VLLM_MEGAMOE_SM90_ABLATE=promotion|mma|token_rows|weight_rows|tma|tma_warm|narrow|half_rows|epilogue|
-# keep_padding|stores|transpose|task_scales
-# ('+'-joined) builds a
-# kernel that drops that part of the GEMM mainloop (token_rows: every token box reads the first
-# staging rows; weight_rows: every weight box reads expert 0's rows; tma: no copies at all, the
-# math runs on stale stages; tma_warm: only each CTA's first S chunks are copied, later chunks
-# compute on those real bytes; narrow: every task of an FP8 64-token build computes only its first
-# 32 token columns; half_rows: each warpgroup's second m64 wgmma group is never issued; epilogue:
-# the epilogue warpgroup takes each hand-off and computes and stores nothing, builds without one skip
-# their epilogues; keep_padding: the FP8 register-token loops compute the token box's padding rows on
-# the bytes it read instead of zeros (outputs right, the A/B of the zeroing); stores / transpose: the
-# FP8 128-token epilogues that store from the registers compute every value but store no row / store
-# without their quad transposes (what the stores and the shuffles cost); task_scales: FP8 tasks past
-# a CTA's first of a phase skip loading their scale tables (what that load costs at each task's
-# start in the 64-token builds, and what the 128-token builds' copies of the next task's into their
-# tables leave of it; none of them prefetch into registers); MEGAMOE_ABLATE,
-# csrc/sm90/mega/config.cuh), so benchmarks/kernel_probe.py can time what is left.
-# Its outputs are wrong (but with keep_padding alone); the op logs a warning with every build.
-ABLATIONS = {"promotion": 1, "mma": 2, "token_rows": 4, "weight_rows": 8, "tma": 16, "tma_warm": 32, "narrow": 64,
-             "half_rows": 128, "epilogue": 256, "keep_padding": 512, "stores": 1024, "transpose": 2048,
-             "task_scales": 4096}
-ABLATIONS_WITH_RIGHT_OUTPUTS = ABLATIONS["keep_padding"]
-
-
-def ablation_from_env() -> int:
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_ABLATE")
-    if not raw:
-        return 0
-    parts = raw.split("+")
-    require(all(part in ABLATIONS for part in parts),
-            f"VLLM_MEGAMOE_SM90_ABLATE={raw!r} must be empty or a '+'-joined subset of {sorted(ABLATIONS)}")
-    return sum(ABLATIONS[part] for part in set(parts))
-
-
-def chunk_trace_from_env() -> bool:
-    """Profiling only: VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 builds a kernel whose FP8 K loop records
-    clock values inside a few K chunks of one L1 task per CTA into the phase clock
-    (kernels.phase_clock.chunk_trace; MEGAMOE_CHUNK_TRACE in csrc/sm90/mega/phase_clock.cuh). Its
-    outputs are right; the stores slow the traced chunks a little."""
-    return env_flag("VLLM_MEGAMOE_SM90_CHUNK_TRACE", False)
-
-
-def chunk_trace_task_from_env() -> int:
-    """Which of a CTA's L1 tasks a chunk-trace build traces (counted from 0):
-    VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK, default kernels.phase_clock.TRACE_TASK (2: past the first
-    tasks' start-up at prefill); 0 at a few tokens per rank, where a CTA runs one L1 task."""
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK", "")
-    if not raw:
-        return DEFAULT_TRACE_TASK
-    require(raw.isdigit(), f"VLLM_MEGAMOE_SM90_CHUNK_TRACE_TASK={raw!r} must be a task number (0, 1, 2, ...)")
-    return int(raw)
-
-
-def _make_spec(shape: MoEShape, layout, choice: Choice, ablate: int = 0,
-               trace: bool = False, trace_task: int = DEFAULT_TRACE_TASK, csrc: str = "") -> jit.KernelSpec:
+def _make_spec(shape: MoEShape, layout, choice: Choice, options: BuildOptions = SERVING,
+               csrc: str = "") -> jit.KernelSpec:
     """The build of `choice` for layer `shape` on a buffer of `layout` (layout.BufferLayout)."""
     fmt, ranks = layout.format, layout.num_ranks
-    require(sm90_tuning.tile_supported(fmt, choice.tile, choice.mainloop),
-            f"FP8 128-token tiles need the tma mainloop (not {choice.mainloop!r}: its partial sums do not fit "
-            "the registers); set VLLM_MEGAMOE_SM90_MAINLOOP=tma or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
-    require(sm90_tuning.tile_supported(fmt, choice.tile, choice.mainloop, choice.stages),
+    require(sm90_tuning.tile_supported(fmt, choice.tile, choice.stages),
             f"FP8 128-token tiles need {sm90_tuning.FP8_TILE128_MIN_STAGES} or more stages (not {choice.stages}: "
             "the register-token K loop keeps one chunk's wgmmas in flight); set VLLM_MEGAMOE_SM90_STAGES to "
             f"{sm90_tuning.FP8_TILE128_MIN_STAGES} or more, or VLLM_MEGAMOE_SM90_TOKEN_TILE to 32, 64 or auto")
     defines = layout.c_defines()
     defines.update(MEGAMOE_NUM_EXPERTS=shape.num_experts, MEGAMOE_HIDDEN=shape.hidden,
                    MEGAMOE_INTERMEDIATE=shape.intermediate, MEGAMOE_TOPK=shape.topk,
-                   MEGAMOE_FP8=int(fmt == "fp8-block"), MEGAMOE_SMEM_MAINLOOP=MAINLOOPS[choice.mainloop],
+                   MEGAMOE_FP8=int(fmt == "fp8-block"),
                    MEGAMOE_TILE_TOKENS=choice.tile)
-    epilogue_wg = has_epilogue_warpgroup(choice.mainloop, choice.tile, shape, ranks)
-    if choice.mainloop != "ldg":
-        smem = mainloop_smem_bytes(shape, choice.stages, choice.mainloop, choice.tile)
-        static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile, choice.mainloop,
-                                   epilogue_tables_in_mainloop(shape, choice.tile), epilogue_wg)
-        require(smem + static <= SMEM_PER_BLOCK,
-                f"{choice.stages} stages of the {choice.mainloop} mainloop need {smem} + {static} bytes of shared "
-                f"memory for hidden={shape.hidden} at {choice.tile}-token tiles (an SM90 CTA has {SMEM_PER_BLOCK}); "
-                "use fewer stages (VLLM_MEGAMOE_SM90_STAGES or the tuning table), or with a forced stage count "
-                "a smaller token tile (VLLM_MEGAMOE_SM90_TOKEN_TILE: a layer loads every tile it may run)")
-        defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
+    epilogue_wg = options.epilogue_wg(choice.tile, shape, ranks)
+    smem = mainloop_smem_bytes(shape, choice.stages, choice.tile)
+    static = static_smem_bytes(shape.experts_per_rank(ranks), ranks, choice.tile,
+                               epilogue_tables_in_mainloop(shape, choice.tile), epilogue_wg)
+    require(smem + static <= SMEM_PER_BLOCK,
+            f"{choice.stages} stages need {smem} + {static} bytes of shared memory for hidden={shape.hidden} at "
+            f"{choice.tile}-token tiles (an SM90 CTA has {SMEM_PER_BLOCK}); use fewer stages "
+            "(VLLM_MEGAMOE_SM90_STAGES or the tuning table), or with a forced stage count a smaller token tile "
+            "(VLLM_MEGAMOE_SM90_TOKEN_TILE: a layer loads every tile it may run)")
+    defines.update(MEGAMOE_MAINLOOP_STAGES=choice.stages, MEGAMOE_MAINLOOP_SMEM_BYTES=smem)
     if epilogue_wg:
         defines.update(MEGAMOE_EPILOGUE_WARPGROUP=1)
-    if sm90_tuning.weights_evict_first_build(choice.mainloop, choice.tile):
+    if sm90_tuning.weights_evict_first_build(choice.tile, options.weights_evict_first):
         defines.update(MEGAMOE_WEIGHTS_EVICT_FIRST=1)
-    if ablate:
-        logger.warning("VLLM_MEGAMOE_SM90_ABLATE=%s: profiling build, %s", os.environ.get("VLLM_MEGAMOE_SM90_ABLATE"),
-                       "its outputs are right (an A/B build)" if not ablate & ~ABLATIONS_WITH_RIGHT_OUTPUTS
+    if options.ablate:
+        logger.warning("ablate=%s: profiling build, %s", options.ablate,
+                       "its outputs are right (an A/B build)" if not options.ablate & ~ABLATIONS_WITH_RIGHT_OUTPUTS
                        else "its outputs are wrong")
-        defines.update(MEGAMOE_ABLATE=ablate)
-    if trace:
-        logger.warning("VLLM_MEGAMOE_SM90_CHUNK_TRACE=1: profiling build, it writes clock values inside the K loop "
+        defines.update(MEGAMOE_ABLATE=options.ablate)
+    if options.chunk_trace:
+        logger.warning("chunk trace: profiling build, it writes clock values inside the K loop "
                        "when called with a phase clock")
-        defines.update(MEGAMOE_CHUNK_TRACE=1, MEGAMOE_TRACE_TASK=trace_task)
+        defines.update(MEGAMOE_CHUNK_TRACE=1, MEGAMOE_TRACE_TASK=options.trace_task)
     return jit.KernelSpec.make(SOURCE, ENTRY, defines, csrc=csrc)
 
 
@@ -225,7 +244,6 @@ def describe_spec(spec: jit.KernelSpec) -> str:
     """One line naming a build of this kernel: layer shape, format, EP size, buffer tokens per rank,
     mainloop / stages / token tile (sm90_tuning.Choice.label) and its other switches."""
     d = spec.define
-    mainloop = {str(v): k for k, v in MAINLOOPS.items()}.get(d("MEGAMOE_SMEM_MAINLOOP"), "?")
     extras = [name for name, define in (("epilogue warpgroup", "MEGAMOE_EPILOGUE_WARPGROUP"),
                                         ("evict-first weights", "MEGAMOE_WEIGHTS_EVICT_FIRST"),
                                         ("chunk trace", "MEGAMOE_CHUNK_TRACE")) if d(define) == "1"]
@@ -233,7 +251,7 @@ def describe_spec(spec: jit.KernelSpec) -> str:
         extras.append(f"ablate={d('MEGAMOE_ABLATE')}")
     return (f"{d('MEGAMOE_HIDDEN')}x{d('MEGAMOE_INTERMEDIATE')}x{d('MEGAMOE_NUM_EXPERTS')}x{d('MEGAMOE_TOPK')} "
             f"{'fp8-block' if d('MEGAMOE_FP8') == '1' else 'bf16'} EP{d('MEGAMOE_NUM_RANKS')} "
-            f"T={d('MEGAMOE_MAX_TOKENS')} {mainloop}/{d('MEGAMOE_MAINLOOP_STAGES', '-')}/{d('MEGAMOE_TILE_TOKENS')}"
+            f"T={d('MEGAMOE_MAX_TOKENS')} {sm90_tuning.MAINLOOP}/{d('MEGAMOE_MAINLOOP_STAGES', '-')}/{d('MEGAMOE_TILE_TOKENS')}"
             + "".join(f", {e}" for e in extras))
 
 
@@ -272,7 +290,7 @@ def _grid_size_for(device_index: int, spec: jit.KernelSpec, num_sms: Optional[st
     return wanted
 
 
-def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
+def load_kernel(shape: MoEShape, buffer: SymmBuffer, options: BuildOptions = SERVING) -> None:
     """Compile (or load from the disk cache) every build a call of `shape` on `buffer` may run
     (sm90_tuning.choices) and wait until every rank of the buffer's group has them: a collective,
     like the first call of mega_moe, which does the same. The wait keeps compile-time skew between
@@ -280,21 +298,21 @@ def load_kernel(shape: MoEShape, buffer: SymmBuffer) -> None:
     token counts may pick different ones. Call it on every rank before capturing a CUDA graph."""
     choices = tuple(sm90_tuning.choices(shape, buffer.layout.format, buffer.layout.num_ranks))
     loaded = buffer.__dict__.setdefault("_sm90_loaded", set())
-    if (shape, choices) in loaded:
+    if (shape, choices, options) in loaded:
         return
     for choice in choices:
-        jit.get_kernel(kernel_spec(shape, buffer, choice), buffer.device.index or 0)
+        jit.get_kernel(kernel_spec(shape, buffer, choice, options), buffer.device.index or 0)
     if buffer.group is not None and buffer.num_ranks > 1:
         require(not torch.cuda.is_current_stream_capturing(),
                 "warm up the SM90 mega kernel (one call per shape) before capturing a CUDA graph")
         torch.distributed.barrier(group=buffer.group)
-    loaded.add((shape, choices))
+    loaded.add((shape, choices, options))
 
 
-def grid_size(shape: MoEShape, buffer: SymmBuffer) -> int:
+def grid_size(shape: MoEShape, buffer: SymmBuffer, options: BuildOptions = SERVING) -> int:
     """CTAs of one launch for this layer on this buffer (compiles the variant if needed; the
     same for every tile choice: one CTA per SM)."""
-    return _grid_size(buffer.device.index or 0, kernel_spec(shape, buffer))
+    return _grid_size(buffer.device.index or 0, kernel_spec(shape, buffer, None, options))
 
 
 def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
@@ -306,12 +324,14 @@ def prepare_weights(weights: ExpertWeights) -> ExpertWeights:
 
 def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights,
              buffer: SymmBuffer, *, activation_clamp: Optional[float] = None,
-             y: Optional[torch.Tensor] = None, phase_clock: Optional[torch.Tensor] = None) -> torch.Tensor:
+             y: Optional[torch.Tensor] = None, phase_clock: Optional[torch.Tensor] = None,
+             options: BuildOptions = SERVING) -> torch.Tensor:
     """The fused kernel for one layer on this rank (a collective; see ops.mega_moe).
 
     phase_clock: optional int64 [CTAs, phase_clock.columns(trace)] tensor (kernels.phase_clock)
-    that receives every CTA's phase timestamps (trace: a VLLM_MEGAMOE_SM90_CHUNK_TRACE=1 build,
-    whose rows also hold the chunk trace); grid_size(shape, buffer) gives the CTA count."""
+    that receives every CTA's phase timestamps (trace: an options.chunk_trace build, whose rows
+    also hold the chunk trace); grid_size(shape, buffer, options) gives the CTA count.
+    options: development builds (BuildOptions; benchmarks/kernel_probe.py), SERVING otherwise."""
     from ..portable import validate_call
     shape = validate_call(x, topk_idx, topk_weights, weights, buffer, activation_clamp)
     ok, why = supports(shape, weights.format, buffer.num_ranks)
@@ -333,9 +353,9 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     check_tensor("y", y, dtype=torch.bfloat16, shape=(t, shape.hidden), contiguous=True)
     require(y.data_ptr() % 16 == 0, f"y must start on a 16-byte boundary (the kernel stores 16-byte vectors); "
             f"its address is {y.data_ptr():#x}: pass a freshly allocated tensor or a view at a multiple of 8 elements")
-    load_kernel(shape, buffer)  # once per shape and set of builds: compile all, then one collective
+    load_kernel(shape, buffer, options)  # once per shape and set of builds: compile all, then one collective
     choice = sm90_tuning.choose(shape, buffer.layout.format, buffer.num_ranks, t)
-    spec = kernel_spec(shape, buffer, choice)
+    spec = kernel_spec(shape, buffer, choice, options)
     dev = x.device.index
     kernel = jit.get_kernel(spec, dev)
     params = _Params()
@@ -358,21 +378,18 @@ def mega_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     params.num_tokens, params.rank = t, buffer.rank
     params.topk_idx_int64 = int(idx.dtype == torch.int64)
     params.weights_evict_first = int(spec.define("MEGAMOE_WEIGHTS_EVICT_FIRST") == "1"
-                                     and sm90_tuning.weights_evict_first_call(t, shape, buffer.layout.format, buffer.num_ranks))
+                                     and sm90_tuning.weights_evict_first_call(t, shape, buffer.layout.format, buffer.num_ranks,
+                                                                              options.weights_evict_first))
     params.has_clamp = int(activation_clamp is not None)
     params.clamp = float(activation_clamp) if activation_clamp is not None else 0.0
-    maps = tma_maps(kw, buffer, choice.tile) if choice.mainloop in TMA_MAINLOOPS else [_NO_MAP] * 4
+    maps = tma_maps(kw, buffer, choice.tile)
     kernel.launch(_grid_size(dev, spec), threads_per_cta(spec), dynamic_smem_bytes(spec),
                   torch.cuda.current_stream(x.device).cuda_stream, [params, *maps])
     return y
 
 
-# The kernel takes four TMA tensor maps after Params; builds without the TMA mainloop get zeros.
-_NO_MAP = (ctypes.c_uint8 * 128)()
-
-
 def tma_maps(weights: ExpertWeights, buffer: SymmBuffer, tile: int) -> list:
-    """TMA tensor maps of the TMA mainloop: w13 [El, 2I, H] and w2 [El, H, I] with 128-byte x
+    """TMA tensor maps of the mainloop (kernel parameters after Params): w13 [El, 2I, H] and w2 [El, H, I] with 128-byte x
     256-row boxes (cached on the weights), staging_l1 [S, H] and staging_l2 [S, I] with 128-byte x
     `tile`-row boxes (cached on the buffer); all with the 128-byte swizzle of the wgmma stages."""
     from .tma import make_tensor_map

@@ -6,37 +6,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..env_flags import env_flag
 from ..shape import MoEShape
 
 TILE_ROWS = 256                 # weight rows per GEMM task
 SMEM_PER_BLOCK = 227 * 1024     # an SM90 CTA's shared memory (static + dynamic)
-WGMMA_MAINLOOPS = ("wgmma", "tma")
-TMA_MAINLOOPS = ("tma",)
-# Builds whose epilogue tile lives in the stage of a task's last K chunk (epilogue_tile.cuh
-# MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
-EPILOGUE_IN_STAGE_MAINLOOPS = ("tma",)
 # Builds with an epilogue warpgroup (csrc/sm90/mega/epilogue_warpgroup.cuh): 384 threads, the
 # epilogues run beside the next task's K loop; their tile (a whole task: tile tokens x 512 bytes)
-# is static shared memory of its own. The 32- and 64-token TMA builds always; the 128-token ones
-# under VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128 where the 64 KB tile fits beside
+# is static shared memory of its own. The 32- and 64-token builds always (unless a probe's
+# BuildOptions turns it off); the 128-token ones only where a probe asks for it
+# (BuildOptions.epilogue_warpgroup_128: slower on one H200) and the 64 KB tile fits beside
 # EPILOGUE_WARPGROUP_128_STAGES stages (Qwen3-30B-A3B-like layers, not hidden 4096 or 7168).
+# Without one, the epilogue tile lives in the stage of a task's last K chunk
+# (epilogue_tile.cuh MEGAMOE_EPILOGUE_IN_STAGE) instead of static shared memory.
 EPILOGUE_WARPGROUP_TILES = (32, 64)
-EPILOGUE_WARPGROUP_ENV = "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP"
-EPILOGUE_WARPGROUP_128_ENV = "VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128"
 EPILOGUE_WARPGROUP_128_STAGES = 3  # the register-token loop's least (sm90_tuning.FP8_TILE128_MIN_STAGES)
-
-
-def epilogue_warpgroup_enabled() -> bool:
-    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP: 1 (default) or 0 (the TMA builds run their epilogues
-    on the MMA warpgroups, as the other builds do; for A/B measurements)."""
-    return env_flag(EPILOGUE_WARPGROUP_ENV, True)
-
-
-def epilogue_warpgroup_128_enabled() -> bool:
-    """VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128: 1 or 0 (default): the 128-token TMA builds with an
-    epilogue warpgroup where its tile fits (has_epilogue_warpgroup)."""
-    return env_flag(EPILOGUE_WARPGROUP_128_ENV, False)
 
 
 def handoff_tile_bytes(tile_tokens: int) -> int:
@@ -44,16 +27,17 @@ def handoff_tile_bytes(tile_tokens: int) -> int:
     return tile_tokens * TILE_ROWS * 2
 
 
-def has_epilogue_warpgroup(mainloop: str, tile_tokens: int, shape: Optional[MoEShape] = None,
-                           num_ranks: int = 1) -> bool:
-    """Whether the build (mainloop, token tile) for `shape` at `num_ranks` runs an epilogue
-    warpgroup (a 128-token build needs the shape: whether its tile fits)."""
-    if mainloop not in TMA_MAINLOOPS or not epilogue_warpgroup_enabled():
+def has_epilogue_warpgroup(tile_tokens: int, shape: Optional[MoEShape] = None, num_ranks: int = 1, *,
+                           enabled: bool = True, enabled_128: bool = False) -> bool:
+    """Whether the build of `tile_tokens` for `shape` at `num_ranks` runs an epilogue warpgroup (a
+    128-token build needs the shape: whether its tile fits). `enabled` / `enabled_128`: the
+    build's BuildOptions (sm90_mega_moe; the serving builds: True / False)."""
+    if not enabled:
         return False
     if tile_tokens in EPILOGUE_WARPGROUP_TILES:
         return True
-    return (tile_tokens == 128 and shape is not None and epilogue_warpgroup_128_enabled()
-            and _smem_bytes(shape, num_ranks, mainloop, EPILOGUE_WARPGROUP_128_STAGES, 128, True) <= SMEM_PER_BLOCK)
+    return (tile_tokens == 128 and shape is not None and enabled_128
+            and _smem_bytes(shape, num_ranks, EPILOGUE_WARPGROUP_128_STAGES, 128, True) <= SMEM_PER_BLOCK)
 
 
 def epilogue_tables_in_mainloop(shape: MoEShape, tile_tokens: int) -> bool:
@@ -63,7 +47,7 @@ def epilogue_tables_in_mainloop(shape: MoEShape, tile_tokens: int) -> bool:
     return tile_tokens == 128 and max(shape.hidden, shape.intermediate) >= 4 * 128
 
 
-def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32, mainloop: str = "ldg",
+def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int = 32,
                       tables_in_mainloop: bool = False, epilogue_warpgroup: Optional[bool] = None) -> int:
     """An upper bound of the kernel's static shared memory: the expert table (params.cuh
     ExpertTable), the epilogue's per-token tables (8 warps' amax, the top-k weight, 1 / scale;
@@ -71,50 +55,43 @@ def static_smem_bytes(num_local_experts: int, num_ranks: int, tile_tokens: int =
     and, unless it lives in a mainloop stage, its tile (epilogue_tile.cuh EpilogueSmem), and 1 KB
     of headroom (the task queue's, the hand-off header's and the phase clock's few words, and the
     register-token loops' 16-byte zero line, among it). `epilogue_warpgroup`: whether the build has
-    one (None: has_epilogue_warpgroup without a shape, right for every tile but 128)."""
+    one (None: has_epilogue_warpgroup of the serving builds without a shape, right for every tile
+    but 128)."""
     # src_count, row_start and block_start, listed, pulled_warps
     table = (num_local_experts * num_ranks + 2 * (num_local_experts + 1) + num_ranks + 1) * 4
     # (epilogue_tables_in_mainloop: the per-token tables live in the mainloop's token-scale table)
     epilogue = 0 if tables_in_mainloop else (8 + 2) * tile_tokens * 4
     if epilogue_warpgroup is None:
-        epilogue_warpgroup = has_epilogue_warpgroup(mainloop, tile_tokens)
+        epilogue_warpgroup = has_epilogue_warpgroup(tile_tokens)
     if epilogue_warpgroup:
         epilogue += handoff_tile_bytes(tile_tokens)
-    elif mainloop not in EPILOGUE_IN_STAGE_MAINLOOPS:
-        epilogue += handoff_tile_bytes(min(tile_tokens, 64))  # L2 passes of <= 64 tokens
     return table + epilogue + 1024
 
 
-def mainloop_smem_bytes(shape: MoEShape, stages: int, variant: str = "smem", tile_tokens: int = 32) -> int:
-    """sizeof(MainloopSmem) plus alignment slack: the cp.async stages (rows padded to 144 bytes,
-    or 128-byte swizzled rows in 1024-byte aligned stages for wgmma) and the FP8 scale tables of
-    one task (the weight scales once per warp, once in all in the 128-token builds). The kernel
-    static_asserts the same number."""
+def mainloop_smem_bytes(shape: MoEShape, stages: int, tile_tokens: int = 32) -> int:
+    """sizeof(MainloopSmem) plus alignment slack: the stages (128-byte swizzled rows, 1024-byte
+    aligned), the FP8 scale tables of one task (the weight scales once per warp, once in all in the
+    128-token builds) and one mbarrier per stage. The kernel static_asserts the same number."""
     max_kblocks = max(shape.hidden, shape.intermediate) // 128
-    row, align = (128, 1024) if variant in WGMMA_MAINLOOPS else (144, 16)
+    row, align = 128, 1024
     w_scale_copies = 1 if tile_tokens == 128 else 8  # one per warp but in the 128-token builds
     struct = stages * (TILE_ROWS + tile_tokens) * row + (tile_tokens + w_scale_copies * 2) * max_kblocks * 4
-    if variant in TMA_MAINLOOPS:
-        struct += 8 * stages  # one mbarrier per stage
+    struct += 8 * stages  # one mbarrier per stage
     struct = -(-struct // align) * align        # sizeof rounds up to the struct's alignment
-    return struct + (align if align > 16 else 0)  # slack to align the dynamic smem base
+    return struct + align  # slack to align the dynamic smem base
 
 
-def _smem_bytes(shape: MoEShape, num_ranks: int, mainloop: str, stages: int, tile_tokens: int,
-                epilogue_warpgroup: bool) -> int:
-    return (mainloop_smem_bytes(shape, stages, mainloop, tile_tokens)
-            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens, mainloop,
+def _smem_bytes(shape: MoEShape, num_ranks: int, stages: int, tile_tokens: int, epilogue_warpgroup: bool) -> int:
+    return (mainloop_smem_bytes(shape, stages, tile_tokens)
+            + static_smem_bytes(shape.experts_per_rank(num_ranks), num_ranks, tile_tokens,
                                 epilogue_tables_in_mainloop(shape, tile_tokens), epilogue_warpgroup))
 
 
-def build_smem_bytes(shape: MoEShape, num_ranks: int, mainloop: str, stages: int, tile_tokens: int) -> int:
-    """The build's dynamic and static shared memory (ldg: none counted; it has no stages)."""
-    if mainloop == "ldg":
-        return 0
-    return _smem_bytes(shape, num_ranks, mainloop, stages, tile_tokens,
-                       has_epilogue_warpgroup(mainloop, tile_tokens, shape, num_ranks))
+def build_smem_bytes(shape: MoEShape, num_ranks: int, stages: int, tile_tokens: int) -> int:
+    """The serving build's dynamic and static shared memory."""
+    return _smem_bytes(shape, num_ranks, stages, tile_tokens, has_epilogue_warpgroup(tile_tokens, shape, num_ranks))
 
 
-def fits(shape: MoEShape, num_ranks: int, mainloop: str, stages: int, tile_tokens: int) -> bool:
-    """Whether the build's dynamic and static shared memory fit one CTA (ldg has no stages)."""
-    return build_smem_bytes(shape, num_ranks, mainloop, stages, tile_tokens) <= SMEM_PER_BLOCK
+def fits(shape: MoEShape, num_ranks: int, stages: int, tile_tokens: int) -> bool:
+    """Whether the serving build's dynamic and static shared memory fit one CTA."""
+    return build_smem_bytes(shape, num_ranks, stages, tile_tokens) <= SMEM_PER_BLOCK

@@ -1,19 +1,19 @@
-"""Which build of the fused SM90 kernel a call runs: mainloop, pipeline stages, token tile.
+"""Which build of the fused SM90 kernel a call runs: pipeline stages and token tile (every build
+runs the TMA mainloop: stages filled by TMA box copies on per-stage mbarriers, warpgroup MMA).
 
 Three sources, strongest first:
-1. environment overrides, each replacing one field for every call: VLLM_MEGAMOE_SM90_MAINLOOP,
-   VLLM_MEGAMOE_SM90_STAGES, VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64, 128 or auto);
+1. the developer overrides, each replacing one field for every call (env_overrides, the only
+   place that reads them): VLLM_MEGAMOE_SM90_STAGES (2-8), VLLM_MEGAMOE_SM90_TOKEN_TILE (32, 64,
+   128 or auto), to force a build, e.g. for benchmarks.kernel_probe's `stages=` / `tile=` variants;
 2. the tuning table, configs/sm90_mega_moe.yaml (shipped inside the package; another file with
    VLLM_MEGAMOE_SM90_TUNING): per layer shape, format and EP size, the measured best choice per
    bucket of tokens per rank (a tile of TILE_64_OR_128 where the probes did not time the 128-token
    build: the model below picks), written by `python -m benchmarks.tune_sm90` from kernel_probe runs
    (read once per process: the op consults it on every call). A layer without an entry at its EP
    size takes the tiles of the nearest EP size's entry, by expected rows per local expert, with the
-   heuristic's mainloop and depth (table_entry);
-3. the heuristic: the TMA mainloop with 4 stages (faster than wgmma's cp.async stages in every
-   probed case: three shapes, 1-8192 tokens per rank), 64-token tiles from
-   AUTO_TILE_ROWS_PER_EXPERT[fmt] expected rows per local expert, else 32; 128-token tiles where a
-   padding-aware model prefers them (prefers_128; FP8 with the tma mainloop only).
+   heuristic's depth (table_entry);
+3. the heuristic: 4 stages, 64-token tiles from AUTO_TILE_ROWS_PER_EXPERT[fmt] expected rows per
+   local expert, else 32; 128-token tiles where a padding-aware model prefers them (prefers_128).
 Per call, too: whether the weight copies take an L2 evict-first policy (weights_evict_first_call; the
 32-token builds compile it in, weights_evict_first_build), by tokens per rank and the layer's size.
 Ranks with different token counts may pick different builds in one call: the protocol between
@@ -30,33 +30,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..env_flags import parse_auto_flag
 from ..shape import MoEShape, require
-from .sm90_smem import TMA_MAINLOOPS, WGMMA_MAINLOOPS, fits
+from .sm90_smem import fits
 
-MAINLOOPS = ("ldg", "smem", "wgmma", "tma")
-# WGMMA_MAINLOOPS: swizzled stages + wgmma, 64- and 128-token tiles possible; TMA_MAINLOOPS: stages
-# filled by TMA, the launch passes tensor maps.
+# The only mainloop: a tuning table that names another is refused (parse_table).
+MAINLOOP = "tma"
 TILES = (32, 64, 128)
 # Tile "auto": 64 from this many expected rows per local expert, per format. FP8: 48 (its measured
 # crossovers lie at 23-45 rows by layer: the EP2 table's entries hold them). BF16: 24 (one H100,
-# EP1, docs/kernel_notes.md v39: 64 over 32 took 0.987-0.995x the time at 24 rows in all three
+# EP1, docs/kernel_design.md: 64 over 32 took 0.987-0.995x the time at 24 rows in all three
 # standard layers, 0.87-0.975x at 32-36, 1.001x at 18).
 AUTO_TILE_ROWS_PER_EXPERT = {"fp8-block": 48, "bf16": 24}
 # Tile "auto", 64 or 128 (from AUTO_TILE_ROWS_PER_EXPERT[fmt] rows): the one with fewer task-times per
 # expert, with an expert's rows Poisson-distributed around the call's expected rows per local expert
 # (uniform routing) and every block costing a whole task. Task times in units of a 64-token task,
-# measured on one H200 at EP1 (kernel_probe task spans, docs/kernel_notes.md v23, after v21-v22's
-# epilogue cuts): a 128-token task 1.5-1.6x (FP8 and BF16, full blocks), and ~1.25x when its block
+# measured on one H200 at EP1 (kernel_probe task spans, docs/kernel_design.md, with the current
+# epilogues): a 128-token task 1.5-1.6x (FP8 and BF16, full blocks), and ~1.25x when its block
 # holds at most 64 rows (tasks of mostly such blocks: 1.35-1.43x). With these the model picks the
 # measured side of every case of that probe that is not a tie (graph time 128 over 64, FP8 / BF16:
 # 1.12 / 1.01 at 48 rows, 0.95-1.00 / 0.90-0.91 at 64, 0.87 / 0.84 at 96, 0.88-0.93 / 0.92-0.94 at
 # 128, 0.98 / 0.97 at 192, 0.88-0.89 / 0.90-0.92 at 256, 0.86 / 0.88 at 512 rows per expert).
-# Checked again in steady state after v26's zero padding rows (kernel_notes v27, FP8 at 24-96 rows
-# per expert, benchmarks/results/tile_crossover_v27, in git history at 63d314b): the model still
-# picks the faster side or a tie.
-# FP8 128-token tiles: tma only. The EP2 table's FP8 entries predate the FP8 128-token build: their
-# prefill buckets say TILE_64_OR_128 (below), so this model picks there too.
+# Checked again in steady state once the padding token rows were zeroed (FP8 at 24-96 rows per
+# expert, docs/kernel_design.md; the results are in git history at 63d314b): the model still picks
+# the faster side or a tie.
+# The EP2 table's FP8 entries predate the FP8 128-token build: their prefill buckets say
+# TILE_64_OR_128 (below), so this model picks there too.
 TILE_128_TASK_TIME = 1.6
 TILE_128_HALF_TASK_TIME = 1.25  # a 128-token block of at most 64 rows
 
@@ -99,33 +97,25 @@ TILE_64_OR_128 = "64-or-128"
 
 @dataclass(frozen=True, order=True)
 class Choice:
-    mainloop: str = "wgmma"
     stages: int = 4
     tile: int = 32
 
     def __post_init__(self):
-        require(self.mainloop in MAINLOOPS, f"mainloop {self.mainloop!r} must be one of {MAINLOOPS}")
         require(2 <= self.stages <= 8, f"stages={self.stages} must be in [2, 8]")
         require(self.tile in TILES, f"token tile {self.tile} must be one of {TILES}")
-        require(self.tile == 32 or self.mainloop in WGMMA_MAINLOOPS,
-                f"{self.tile}-token tiles need the wgmma or tma mainloop (not {self.mainloop!r})")
-        require(self.mainloop != "ldg" or self.stages == 4, "the ldg mainloop has no stages (leave 4)")
 
     def label(self) -> str:
-        return f"{self.mainloop}/{self.stages}/{self.tile}"
+        return f"{MAINLOOP}/{self.stages}/{self.tile}"
 
 
-HEURISTIC = Choice("tma", 4, 32)  # its tile is chosen per call (auto_tile)
+HEURISTIC = Choice(4, 32)  # its tile is chosen per call (auto_tile)
 
 
-# -- environment ------------------------------------------------------------------------------
+# -- developer overrides ------------------------------------------------------------------------
 def env_overrides() -> dict:
-    """The fields the environment fixes for every call ("tile" may be "auto")."""
+    """The fields the developer overrides fix for every call ("tile" may be "auto"): the one place
+    that reads VLLM_MEGAMOE_SM90_STAGES and VLLM_MEGAMOE_SM90_TOKEN_TILE."""
     out: dict = {}
-    raw = os.environ.get("VLLM_MEGAMOE_SM90_MAINLOOP")
-    if raw is not None:
-        require(raw in MAINLOOPS, f"VLLM_MEGAMOE_SM90_MAINLOOP={raw!r} must be one of {list(MAINLOOPS)}")
-        out["mainloop"] = raw
     raw = os.environ.get("VLLM_MEGAMOE_SM90_STAGES")
     if raw is not None:
         require(raw.isdigit() and 2 <= int(raw) <= 8, f"VLLM_MEGAMOE_SM90_STAGES={raw!r} must be an integer in [2, 8]")
@@ -134,19 +124,13 @@ def env_overrides() -> dict:
     if raw is not None:
         require(raw in ("32", "64", "128", "auto"), f"VLLM_MEGAMOE_SM90_TOKEN_TILE={raw!r} must be 32, 64, 128 or auto")
         out["tile"] = raw if raw == "auto" else int(raw)
-    if out.get("tile") in (64, 128):
-        mainloop = out.get("mainloop", HEURISTIC.mainloop)
-        require(mainloop in WGMMA_MAINLOOPS,
-                f"VLLM_MEGAMOE_SM90_TOKEN_TILE={out['tile']} needs VLLM_MEGAMOE_SM90_MAINLOOP=wgmma or tma "
-                f"(it is {mainloop!r})")
     return out
 
 
 # -- the weight copies' L2 cache policy ----------------------------------------------------------
-WEIGHTS_EVICT_FIRST_ENV = "VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST"
-EVICT_FIRST_TILES = (32,)  # auto: the builds that serve a few tokens per rank compile the policy in
-# auto: the calls that use it, by tokens per rank: up to 128 in layers of at most 2 GiB of expert
-# weights per rank, up to 16 in larger ones (one H200, FP8 / BF16, docs/kernel_notes.md v30: Qwen3-like
+EVICT_FIRST_TILES = (32,)  # the builds that serve a few tokens per rank compile the policy in
+# The calls that use it, by tokens per rank: up to 128 in layers of at most 2 GiB of expert weights
+# per rank, up to 16 in larger ones (one H200, FP8 / BF16, docs/kernel_design.md: Qwen3-like
 # 0.97-0.99x at 1-128 tokens; V4-Flash- and DeepSeek-V3-like 0.97-1.00x at 1-16, from 32 tokens on
 # DeepSeek-V3-like 1.01-1.015x; all three slower from 256 on).
 EVICT_FIRST_SMALL_LAYER_BYTES = 2 << 30
@@ -154,60 +138,47 @@ EVICT_FIRST_MAX_TOKENS_SMALL_LAYER = 128
 EVICT_FIRST_MAX_TOKENS = 16
 
 
-@functools.lru_cache(maxsize=None)  # once per setting: the op asks on every call
-def _evict_first_setting(raw: str) -> Optional[bool]:
-    if not raw.strip():
-        return None  # unset: auto
-    try:
-        return parse_auto_flag(raw)
-    except ValueError as e:
-        raise ValueError(f"{WEIGHTS_EVICT_FIRST_ENV}={raw!r} {e}") from None
-
-
-def weights_evict_first_build(mainloop: str, tile: int) -> bool:
-    """Whether the build can copy its weight boxes with an L2 evict-first policy (tma builds;
-    csrc/sm90/mega/mainloop_smem.cuh kWeightsEvictFirst): VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST=auto
-    (default: the token tiles in EVICT_FIRST_TILES), 1 (every tma build) or 0 (none)."""
-    setting = _evict_first_setting(os.environ.get(WEIGHTS_EVICT_FIRST_ENV, ""))
-    if mainloop not in TMA_MAINLOOPS or setting is False:
-        return False
-    return setting is True or tile in EVICT_FIRST_TILES
+def weights_evict_first_build(tile: int, setting: Optional[bool] = None) -> bool:
+    """Whether the build can copy its weight boxes with an L2 evict-first policy
+    (csrc/sm90/mega/mainloop_smem.cuh kWeightsEvictFirst). `setting`: the build's
+    BuildOptions.weights_evict_first (sm90_mega_moe): None (the serving builds: the token tiles
+    in EVICT_FIRST_TILES), True (every build) or False (none)."""
+    if setting is not None:
+        return setting
+    return tile in EVICT_FIRST_TILES
 
 
 @functools.lru_cache(maxsize=None)  # asked on every call
 def evict_first_max_tokens(shape: MoEShape, fmt: str, num_ranks: int) -> int:
-    """The most tokens per rank of a call that uses the policy under auto (see EVICT_FIRST_*)."""
+    """The most tokens per rank of a call that uses the policy by default (see EVICT_FIRST_*)."""
     weight_bytes = shape.experts_per_rank(num_ranks) * 3 * shape.hidden * shape.intermediate * (1 if fmt == "fp8-block" else 2)
     return EVICT_FIRST_MAX_TOKENS_SMALL_LAYER if weight_bytes <= EVICT_FIRST_SMALL_LAYER_BYTES else EVICT_FIRST_MAX_TOKENS
 
 
-def weights_evict_first_call(num_tokens: int, shape: MoEShape, fmt: str, num_ranks: int) -> bool:
+def weights_evict_first_call(num_tokens: int, shape: MoEShape, fmt: str, num_ranks: int,
+                             setting: Optional[bool] = None) -> bool:
     """Whether a call of `num_tokens` tokens on this rank uses the policy (where its build has it):
-    VLLM_MEGAMOE_SM90_WEIGHTS_EVICT_FIRST=1 / 0: always / never; auto: up to evict_first_max_tokens.
-    It keeps the L1 outputs and combine rows in L2 while the weights stream past, read once; where
-    the weight stream is the bound (more tokens, larger layers) it costs more than that saves."""
-    setting = _evict_first_setting(os.environ.get(WEIGHTS_EVICT_FIRST_ENV, ""))
+    `setting` (BuildOptions.weights_evict_first) True / False: always / never; None (serving): up
+    to evict_first_max_tokens. It keeps the L1 outputs and combine rows in L2 while the weights
+    stream past, read once; where the weight stream is the bound (more tokens, larger layers) it
+    costs more than that saves."""
     if setting is not None:
         return setting
     return num_tokens <= evict_first_max_tokens(shape, fmt, num_ranks)
 
 
-def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str,
-              stages: Optional[int] = None) -> int:
+def auto_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, stages: Optional[int] = None) -> int:
     """64 when this call's expected rows per local expert reach AUTO_TILE_ROWS_PER_EXPERT[fmt], 128
-    where prefers_128 (BF16, and FP8 with the tma mainloop), else 32."""
-    if mainloop not in WGMMA_MAINLOOPS:
-        return 32
+    where prefers_128, else 32."""
     if expected_rows_per_expert(shape, num_tokens, num_ranks) < AUTO_TILE_ROWS_PER_EXPERT[fmt]:
         return 32
-    return wide_tile(shape, fmt, num_tokens, num_ranks, mainloop, stages)
+    return wide_tile(shape, fmt, num_tokens, num_ranks, stages)
 
 
-def wide_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, mainloop: str,
-              stages: Optional[int] = None) -> int:
+def wide_tile(shape: MoEShape, fmt: str, num_tokens: int, num_ranks: int, stages: Optional[int] = None) -> int:
     """128 where the padding model prefers it and a 128-token build exists for the layer, else 64
     (auto_tile above 32, and a table bucket whose tile is TILE_64_OR_128)."""
-    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, mainloop, stages)
+    return (128 if auto_tile_128_possible(shape, fmt, num_ranks, stages)
             and prefers_128(expected_rows_per_expert(shape, num_tokens, num_ranks)) else 64)
 
 
@@ -216,24 +187,23 @@ def expected_rows_per_expert(shape: MoEShape, num_tokens: int, num_ranks: int) -
     return num_tokens * num_ranks * shape.topk / shape.num_experts
 
 
-def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, mainloop: str,
-                           stages: Optional[int] = None) -> bool:
-    """Whether auto_tile may pick 128 for this layer: a 128-token build of the format and mainloop
-    with 3 stages that fit (the token-scale table grows with the hidden size); FP8 not under a
+def auto_tile_128_possible(shape: MoEShape, fmt: str, num_ranks: int, stages: Optional[int] = None) -> bool:
+    """Whether auto_tile may pick 128 for this layer: a 128-token build of the format with 3 stages
+    that fit (the token-scale table grows with the hidden size); FP8 not under a
     forced depth below 3 (`stages`: VLLM_MEGAMOE_SM90_STAGES; the register-token loop needs 3)."""
-    return tile_supported(fmt, 128, mainloop, stages) and fits(shape, num_ranks, mainloop, 3, 128)
+    return tile_supported(fmt, 128, stages) and fits(shape, num_ranks, 3, 128)
 
 
 FP8_TILE128_MIN_STAGES = 3  # the register-token loop keeps one chunk's wgmmas in flight (mainloop_smem.cuh)
 
 
-def tile_supported(fmt: str, tile: int, mainloop: str = "tma", stages: Optional[int] = None) -> bool:
-    """FP8 128-token tiles run the tma mainloop's register-token K loop only (the swap-AB FP8
-    loops' partial sums and per-column scale products do not fit the registers), with at least
-    FP8_TILE128_MIN_STAGES stages (`stages`: a depth to check, None for any)."""
+def tile_supported(fmt: str, tile: int, stages: Optional[int] = None) -> bool:
+    """FP8 128-token tiles run the register-token K loop only (the swap-AB FP8 loops' partial sums
+    and per-column scale products do not fit the registers), with at least FP8_TILE128_MIN_STAGES
+    stages (`stages`: a depth to check, None for any)."""
     if fmt != "fp8-block" or tile != 128:
         return True
-    return mainloop == "tma" and (stages is None or stages >= FP8_TILE128_MIN_STAGES)
+    return stages is None or stages >= FP8_TILE128_MIN_STAGES
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -275,9 +245,6 @@ def parse_table(doc: dict, where: str = "the tuning table") -> dict:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{what}: {exc}") from exc
         require(bool(buckets), f"{what}: no buckets")
-        for _, c, _ in buckets:
-            require(tile_supported(key[4], c.tile, c.mainloop),
-                    f"{what}: FP8 {c.tile}-token tiles need the tma mainloop (not {c.mainloop!r})")
         require(key not in table, f"{what}: a second entry for {key}")
         table[key] = buckets
     return table
@@ -296,8 +263,18 @@ def load_table() -> dict:
 
 
 def _parse_bucket(b: dict) -> tuple:
+    # A table from before the kernel had one mainloop names it per bucket: "tma" is accepted,
+    # any other is refused (its build no longer exists).
+    mainloop = b.get("mainloop", MAINLOOP)
+    if mainloop != MAINLOOP:
+        raise ValueError(f"bucket max_tokens={b.get('max_tokens')} names mainloop {mainloop!r}: the SM90 kernel has "
+                         f"only the {MAINLOOP!r} mainloop now; drop the bucket's mainloop field (or regenerate the "
+                         "table with `python -m benchmarks.tune_sm90`)")
+    unknown = set(b) - {"max_tokens", "mainloop", "stages", "tile"}
+    if unknown:
+        raise ValueError(f"bucket max_tokens={b.get('max_tokens')}: unknown fields {sorted(unknown)}")
     wide = b["tile"] == TILE_64_OR_128
-    return (int(b["max_tokens"]), Choice(str(b["mainloop"]), int(b["stages"]), 64 if wide else int(b["tile"])),
+    return (int(b["max_tokens"]), Choice(int(b["stages"]), 64 if wide else int(b["tile"])),
             TILE_64_OR_128 if wide else None)
 
 
@@ -305,9 +282,9 @@ def table_entry(shape: MoEShape, fmt: str, num_ranks: int) -> tuple[list, int]:
     """(buckets, ranks) of the table entry that serves this layer at EP size num_ranks: its own, or
     else the same layer and format's entry at the nearest EP size (the larger of two as near),
     whose buckets then apply by expected rows per local expert (tokens per rank x EP size / the
-    entry's EP size: the tile crossovers follow the rows per expert, kernel_notes v38) with the
-    heuristic's mainloop and depth (a depth measured at one EP size did not carry over: the EP2
-    entry's 5 stages took 1.003-1.012x the time of 4 at EP1, kernel_notes v39); ([], 0) without one."""
+    entry's EP size: the tile crossovers follow the rows per expert, docs/kernel_design.md) with the
+    heuristic's depth (a depth measured at one EP size did not carry over: the EP2 entry's 5 stages
+    took 1.003-1.012x the time of 4 at EP1, docs/kernel_design.md); ([], 0) without one."""
     path = table_path()
     return ([], 0) if path is None else _entry_in(str(path), entry_key(shape, fmt, num_ranks))
 
@@ -327,11 +304,11 @@ def _entry_in(path: str, key: tuple) -> tuple[list, int]:  # once per table and 
 
 
 def _tiles_only(buckets: list) -> list:
-    """A borrowed entry's buckets with the heuristic's mainloop and stages, their tiles kept;
+    """A borrowed entry's buckets with the heuristic's stages, their tiles kept;
     neighbours that become the same merge (the larger max_tokens)."""
     out: list = []
     for max_tokens, choice, rule in buckets:
-        bucket = (max_tokens, Choice(HEURISTIC.mainloop, HEURISTIC.stages, choice.tile), rule)
+        bucket = (max_tokens, Choice(HEURISTIC.stages, choice.tile), rule)
         if out and out[-1][1:] == bucket[1:]:
             out[-1] = bucket
         else:
@@ -355,20 +332,17 @@ def lookup(shape: MoEShape, fmt: str, num_ranks: int, num_tokens: int) -> Option
 
 # -- what a call runs -------------------------------------------------------------------------
 def _apply(base: Choice, env: dict, shape: MoEShape, fmt: str, num_tokens: Optional[int], num_ranks: int) -> Choice:
-    mainloop = env.get("mainloop", base.mainloop)
-    stages = env.get("stages", base.stages if mainloop != "ldg" else 4)
+    stages = env.get("stages", base.stages)
     tile = env.get("tile", base.tile)
     if tile == "auto":
-        tile = 32 if num_tokens is None else auto_tile(shape, fmt, num_tokens, num_ranks, mainloop, env.get("stages"))
+        tile = 32 if num_tokens is None else auto_tile(shape, fmt, num_tokens, num_ranks, env.get("stages"))
     elif tile == TILE_64_OR_128:
-        tile = 64 if num_tokens is None else wide_tile(shape, fmt, num_tokens, num_ranks, mainloop, env.get("stages"))
-    if tile > 32 and mainloop not in WGMMA_MAINLOOPS:
-        tile = 32  # a table's 64 / 128 under an environment mainloop without wgmma
+        tile = 64 if num_tokens is None else wide_tile(shape, fmt, num_tokens, num_ranks, env.get("stages"))
     if "stages" not in env:  # e.g. a table's 5 stages of 32-token tiles under a 64-token override:
-        while stages > 2 and not fits(shape, num_ranks, mainloop, stages, tile):  # as deep as fits
+        while stages > 2 and not fits(shape, num_ranks, stages, tile):  # as deep as fits
             stages -= 1
     # (an explicit VLLM_MEGAMOE_SM90_STAGES that does not fit gets the op's shared-memory error)
-    return Choice(mainloop, 4 if mainloop == "ldg" else stages, tile)
+    return Choice(stages, tile)
 
 
 def _with_env(found: list[tuple]) -> list[tuple[Choice, dict]]:
@@ -392,8 +366,7 @@ def choices(shape: MoEShape, fmt: str, num_ranks: int) -> list[Choice]:
     """Every build `choose` can return for this layer (any tokens per rank), the family's first."""
     out = []
     for base, env in _with_env([b[1:] for b in table_entry(shape, fmt, num_ranks)[0]]):
-        mainloop = env.get("mainloop", base.mainloop)
-        may_128 = auto_tile_128_possible(shape, fmt, num_ranks, mainloop, env.get("stages"))
+        may_128 = auto_tile_128_possible(shape, fmt, num_ranks, env.get("stages"))
         tiles = {"auto": TILES, TILE_64_OR_128: (64, 128)}.get(env.get("tile"), (None,))
         tiles = [t for t in tiles if t != 128 or may_128]  # every tile auto_tile / wide_tile may pick
         for tile in tiles:

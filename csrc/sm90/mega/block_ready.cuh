@@ -44,7 +44,7 @@ MEGAMOE_DEVICE void publish_l1_tile(const Regions& me, u32 block) {
 // Builds without an epilogue warpgroup publish an L1 task's tile one task late: after the CTA's
 // next L1 task's K loop (publish_unpublished), or after its last L1 task. Published at the task's
 // end, thread 0's fence waited for the rows just stored (0.4-0.7 us per task at prefill) while
-// every MMA warp waited for thread 0 at the next task's first barrier (docs/kernel_notes.md v29);
+// every MMA warp waited for thread 0 at the next task's first barrier (docs/kernel_design.md);
 // a K loop later those stores are done, and the publisher is lane 0 of warp 1, whose fence has
 // nothing else in flight to wait for (thread 0's ask is, task_queue.cuh). Late by one task costs
 // the L2 tasks next to nothing: a CTA takes L2 tasks only once the L1 queue is empty, and the L2
@@ -119,16 +119,12 @@ MEGAMOE_DEVICE bool wait_block(const Params& p, const Regions& me, u32 block, u3
       }
       next_ready = next_ready && (next_block == block || block_reached(me, next_block, next_need));
       rs.known_ready = next_ready ? next_block : block;
-#if MEGAMOE_SMEM_MAINLOOP >= 3
       fence_proxy_async_global();  // the block's staging rows were stored by other CTAs; TMA reads them
-#endif
     }
-#if MEGAMOE_SMEM_MAINLOOP >= 3
     else if (!rs.fenced_every) {
       rs.fenced_every = true;
       fence_proxy_async_global();  // once after the phase count's acquire: every block's rows, for TMA
     }
-#endif
     rs.flags[rs.turn] = next_ready;
   }
   task_trace_point(p, phase == kPhaseL1, traced_task, kTaskBarrierArrive);

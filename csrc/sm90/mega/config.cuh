@@ -27,13 +27,6 @@ constexpr u32 kL1ScalePitch = MEGAMOE_L1_SCALE_PITCH;
 constexpr u32 kL2ScalePitch = MEGAMOE_L2_SCALE_PITCH;
 static_assert(kL1ScalePitch % 4 == 0 && kL2ScalePitch % 4 == 0, "staging scale rows are whole 16-byte groups");
 constexpr bool kFP8 = MEGAMOE_FP8 != 0;               // fp8-block, else bf16
-#ifndef MEGAMOE_SMEM_MAINLOOP
-#define MEGAMOE_SMEM_MAINLOOP 0   // 0: ldg, 1: cp.async + mma.sync, 2: cp.async + wgmma, 3: TMA + wgmma
-#endif
-static_assert(MEGAMOE_SMEM_MAINLOOP >= 0 && MEGAMOE_SMEM_MAINLOOP <= 3, "MEGAMOE_SMEM_MAINLOOP is 0-3");
-// Device printf is a function call, and ptxas serialises every wgmma of a kernel that makes
-// one: with the wgmma mainloop, failures are reported through the host-mapped error record only.
-#define MEGAMOE_TRAP_PRINTF (MEGAMOE_SMEM_MAINLOOP < 2)
 
 // Region offsets in bytes from the start of a rank's buffer.
 constexpr u64 kOffWorkspace = MEGAMOE_OFF_workspace;
@@ -96,13 +89,7 @@ constexpr u32 kRowBytesL2 = kBufInter * kElemBytes;    // staging_l2 row pitch i
 static_assert(kHidden % kScaleBlock == 0 && kInter % kScaleBlock == 0, "H and I must be multiples of 128");
 static_assert(kHidden % kTileRows == 0, "hidden must be a multiple of 256 for the L2 tile");
 static_assert(kNumRanks <= kNvlArrivedRanks, "this kernel addresses at most 8 ranks (an arrival word each)");
-static_assert(kTileTokens == 32 || ((kTileTokens == 64 || kTileTokens == 128) && MEGAMOE_SMEM_MAINLOOP >= 2),
-              "token tiles are 32 rows, or 64 / 128 with the wgmma / tma mainloops");
-// FP8 128-token tiles: the register-token loop only (two 32-float partials next to 128
-// accumulators; the swap-AB form needs 32 scale products per thread and spilled).
-static_assert(!(kFP8 && kTileTokens == 128) || MEGAMOE_SMEM_MAINLOOP == 3, "FP8 128-token tiles need the tma mainloop");
-static_assert(!kEpilogueWarpgroup || MEGAMOE_SMEM_MAINLOOP == 3,
-              "the epilogue warpgroup is built for the TMA mainloop only");
+static_assert(kTileTokens == 32 || kTileTokens == 64 || kTileTokens == 128, "token tiles are 32, 64 or 128 rows");
 static_assert(kTopk <= 32, "top-k above 32 is not supported");
 static_assert(kNumLocalExperts <= 512, "too many local experts for the shared-memory tables");
 

@@ -1,28 +1,16 @@
-// The whole K loop of one task in the shared-memory mainloops: the FP8 scale tables staged, the
-// first chunks issued, the loop that fits the build (mainloop_smem.cuh's swap-AB loops, or the
-// register-token loops of the 64- and 128-token FP8 prefill tiles), and the stream into the next task.
+// The whole K loop of one task: the FP8 scale tables staged, the first chunks issued, the loop
+// that fits the build (mainloop_smem.cuh's swap-AB loops, or the register-token loops of the 64-
+// and 128-token FP8 prefill tiles), and the stream into the next task.
 #pragma once
 #include "k_loop_register_tokens.cuh"
 #include "mainloop_smem.cuh"
 
 namespace megamoe::mega {
 
-// acc (+)= chunk c of the task, staged in `stage`: the arithmetic of every shared-memory build.
-MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 ntiles, u32 tid) {
-  if constexpr (!kFP8) {
-    if constexpr (kWgmma) wgmma_chunk<0>(acc, sm, stage, tid);
-    else mma_chunk(acc, sm, stage, ntiles, tid);
-  } else if constexpr (kWgmma) {
-    wgmma_chunk_promote_overlapped(acc, sm, stage, c, tid);
-  } else {
-    WarpAcc part;
-    part.zero();
-    mma_chunk(part, sm, stage, ntiles, tid);
-    PromoteScales<> scales;
-    load_promote_scales(scales, sm, c, tid);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) promote_tile(acc.v[mt], &part.v[mt][0][0], scales);
-  }
+// acc (+)= chunk c of the task, staged in `stage` (the 2-stage builds' loop: no lag, no deferred wait).
+MEGAMOE_DEVICE void chunk_mma(WarpAcc& acc, const MainloopSmem& sm, u32 stage, u32 c, u32 tid) {
+  if constexpr (!kFP8) wgmma_chunk<0>(acc, sm, stage, tid);
+  else wgmma_chunk_promote_overlapped(acc, sm, stage, c, tid);
 }
 
 // FP8: the task's scale tables into shared memory (from the registers, or loaded now;
@@ -61,7 +49,6 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
   constexpr u32 S = kMainloopStages;
   constexpr u32 kAhead = S - 1;  // chunks in flight past the one computed
   if (kChunks < kAhead) next = nullptr;  // too short to stream on: every task fills its own stages
-  const u32 ntiles = (cur.rows.num_rows + 7) / 8;
   const u32 tid = thread_index();  // once for the whole K loop (common.cuh thread_index)
   __builtin_assume(tid < kNumMmaThreads);
   if constexpr (!kLagPromotion) acc.zero();
@@ -73,24 +60,17 @@ MEGAMOE_DEVICE void cta_gemm(WarpAcc& acc, MainloopSmem& sm, MainloopState<K>& s
     }
   }
   if constexpr (kFP8) stage_task_scales<K>(sm, st, cur, next, tid);  // visible to every thread after the first chunk's barrier
-#if MEGAMOE_SMEM_MAINLOOP == 3
   if constexpr (kRegisterTokens128) k_loop_register_tokens_128<K>(acc, sm, st, cur, next, p, tid);  // zeroes acc
   else if constexpr (kRegisterTokens && kN == kTileTokens) k_loop_register_tokens<K>(acc, sm, st, cur, next, p, tid);  // zeroes acc
   else if constexpr (kLagPromotion) k_loop_lagged_promotion<K, kN>(acc, sm, st, cur, next, p, tid);  // zeroes acc itself
   else if constexpr (kDeferWgmmaWait) k_loop_deferred_wait<K>(acc, sm, st, cur, next, p, tid);
   else
-#endif
   for (u32 c = 0; c < kChunks; ++c) {
-#if MEGAMOE_SMEM_MAINLOOP == 3
     wait_stage(&sm.full[(st.seq + c) % S], (st.seq + c) % S, (st.seq + c) / S, p, st.phase);
-#else
-    cp_async_wait<S - 2>();
-    if constexpr (kWgmma) fence_proxy_async_shared();  // this thread's cp.async bytes, visible to wgmma
-#endif
     mma_barrier();  // chunk c landed for every thread; chunk c + kAhead - S's stage is free again
     load_chunk_ahead<K>(sm, st, c + kAhead, cur, next, p, tid);
     cp_async_commit();
-    chunk_mma(acc, sm, (st.seq + c) % S, c, ntiles, tid);
+    chunk_mma(acc, sm, (st.seq + c) % S, c, tid);
   }
   st.seq += kChunks;
   st.prefetched = next != nullptr;

@@ -16,7 +16,7 @@ namespace megamoe::mega {
 // 256), and a warp has kStageBatch items' loads in flight before it converts any. With 8-byte
 // loads and 4 items (8 KB in flight per SM) the staging was bound by load latency at prefill:
 // the dispatch phase of an 8192-token call took 97 / 185 / 56 us (V4-Flash- / DeepSeek-V3- /
-// Qwen3-like, one H200), with 16-byte loads and 8 items 59 / 100 / 35 (docs/kernel_notes.md v17).
+// Qwen3-like, one H200), with 16-byte loads and 8 items 59 / 100 / 35 (docs/kernel_design.md).
 constexpr u32 kStageBatch = 8;
 constexpr u32 kStageValues = 256;  // bf16 values per warp item
 static_assert(kHidden % kStageValues == 0, "staging takes 256 values per warp item");
@@ -208,10 +208,6 @@ MEGAMOE_DEVICE void build_expert_table(ExpertTable& table, const Params& p, cons
       table.block_start[kNumLocalExperts] = blocks_through;
       if (rows_through > kStagingRows) {
         me.workspace()[kSlotErrorFlag] |= kErrorStagingOverflow;
-#if MEGAMOE_TRAP_PRINTF
-        printf("megamoe: rank %d received %u rows but staging holds %u; build the SymmBuffer without "
-               "ring_rows or with more of them.\n", p.rank, rows_through, kStagingRows);
-#endif
         report_and_trap(p.error_record, kErrorStagingFull, p.rank, kPhasePull, static_cast<int>(rows_through),
                         static_cast<int>(kStagingRows), 0);
       }

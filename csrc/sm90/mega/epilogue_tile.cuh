@@ -14,10 +14,8 @@ static_assert(kTileTokens * 128 * kElemBytes <= kEpilogueTileBytes, "the L1 epil
 // The TMA mainloop leaves the stage of a task's last chunk untouched until the next task's first
 // CTA barrier (the copies streaming into the next task go to the other stages): the epilogue
 // tile lives there instead of in its own 16-32 KB, which buys the prefill builds a fifth stage.
-// (The cp.async builds keep their own: the stage pointer costs the mma.sync build and the
-// DeepSeek-V3-like FP8 64-token wgmma build a spill.)
 // (Not with an epilogue warpgroup: its tile is read while the next task's K loop fills the stages.)
-#define MEGAMOE_EPILOGUE_IN_STAGE (MEGAMOE_SMEM_MAINLOOP == 3 && !MEGAMOE_EPILOGUE_WARPGROUP)
+#define MEGAMOE_EPILOGUE_IN_STAGE (!MEGAMOE_EPILOGUE_WARPGROUP)
 
 // What the MMA warpgroups tell the epilogue warpgroup about the tile they hand off
 // (epilogue_warpgroup.cuh): which task it holds, or that the GEMM phases are over.

@@ -2,7 +2,7 @@
 // tile fits beside 3 stages (kEpilogueWarpgroup; sm90_smem.has_epilogue_warpgroup): a third warpgroup runs
 // the GEMM tasks' epilogues while the two MMA warpgroups run the next task's K loop. Without it a
 // CTA's tensor cores idled through every epilogue: 11-22 % of the GEMM phases at prefill
-// (docs/kernel_notes.md v17's task spans: SwiGLU's MUFU work, two CTA barriers, the stores and the
+// (docs/kernel_design.md: the task spans: SwiGLU's MUFU work, two CTA barriers, the stores and the
 // L1 block's release, whose fence stalled warp 0, the TMA issuer).
 //
 // Hand-off per task through one 16 / 32 / 64 KB shared-memory tile ([tokens][512 bytes], rows permuted
@@ -15,7 +15,7 @@
 //     row to the source rank's combine buffer; arrive on tile_empty (every thread); L1: then the
 //     block's release (its fence stalls this warpgroup, not the K loop).
 // (Named barriers did the same: bar.arrive / bar.sync, or bar.sync on both sides; compute-
-// sanitizer's racecheck reported every hand-off as a race with either, docs/kernel_notes.md v18.)
+// sanitizer's racecheck reported every hand-off as a race with either, docs/kernel_design.md.)
 // The epilogue warpgroup arrives on tile_empty once before its first wait, so the MMA side
 // always waits before it writes (use n of tile_empty waits for the epilogue's n-th arrival), and a
 // kHandoffDone header after the last L2 task ends its loop.

@@ -20,41 +20,12 @@
 
 namespace megamoe::mega {
 
-// Rows of this lane's four n8 token tiles; past-the-end tokens read the last valid row.
-MEGAMOE_DEVICE void token_row_pointers(const u8* (&rows)[4], const u8* base, u32 pitch, const TaskRows& t) {
-  const u32 g = (thread_index() % 32) / 4;
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    const u32 tok = nt * 8 + g;
-    rows[nt] = base + static_cast<u64>(t.first_row + (tok < t.num_rows ? tok : t.num_rows - 1)) * pitch;
-  }
-}
-
-// acc = this warp's 32 rows x 32 tokens of the task's GEMM over K (see the file comment).
-// `next`: the CTA's next task of this phase or nullptr (the smem mainloop streams into it).
+// acc = this warp's share of the task's GEMM over K (cta_gemm.cuh).
+// `next`: the CTA's next task of this phase or nullptr (the K loop streams into it).
 template <u32 K, u32 kN = kTileTokens>
 MEGAMOE_DEVICE void task_gemm(WarpAcc& acc, MainloopSmem* sm, MainloopState<K>& st, const TaskOperands& op,
                               const TaskOperands* next, const Params& p) {
-#if MEGAMOE_SMEM_MAINLOOP
   cta_gemm<K, kN>(acc, *sm, st, op, next, p);
-#else
-  (void)sm, (void)st, (void)next, (void)p;
-  constexpr u64 kPitch = static_cast<u64>(K) * kElemBytes;
-  const u8* a_rows = op.a + (thread_index() / 32) * 32 * kPitch;
-  const u8* tok_rows[4];
-  token_row_pointers(tok_rows, op.tok, op.tok_pitch, op.rows);
-  acc.zero();
-  if constexpr (!kFP8) {
-    warp_mma_k_range(acc, a_rows, kPitch, tok_rows, 0, K * 2);
-  } else {
-    for (u32 kb = 0; kb < K / kScaleBlock; ++kb) {
-      WarpAcc part;
-      part.zero();
-      warp_mma_k_range(part, a_rows, kPitch, tok_rows, kb * kScaleBlock, kScaleBlock);
-      promote_block(acc, part, op.w_scale, op.tok_scale, op.tok_scale_pitch, op.rows.first_row, op.rows.num_rows, kb);
-    }
-  }
-#endif
 }
 
 // Profiling builds that drop the epilogue (ablate=epilogue): a store that never happens but
@@ -227,7 +198,7 @@ MEGAMOE_DEVICE void l1_task_columns(const ExpertTable& table, EpilogueSmem& smem
                               ? ld_cg_f32(me.staging_weight() + t.first_row + thread_index())
                               : 0.0f;
   WarpAcc acc;
-  if (MEGAMOE_SMEM_MAINLOOP && stream_next) {  // only the smem mainloops stream on
+  if (stream_next) {
     const TaskOperands next = l1_operands(table, p, me, maps, next_at);
     task_gemm<kHidden, kN>(acc, mainloop, st, op, &next, p);
   } else {
@@ -502,7 +473,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   // Lane i: the (rank, token, slot) of the warp's i-th row of a pass. With one pass and the
   // 32-token builds' registers to spare, loaded before the K loop: after it, the load was a
   // dependent round trip between the K loop and the combine stores of every task (the L2
-  // epilogue 1.4 -> 0.6-0.8 us per task at 8-128 tokens per rank, docs/kernel_notes.md v15).
+  // epilogue 1.4 -> 0.6-0.8 us per task at 8-128 tokens per rank, docs/kernel_design.md).
   constexpr bool kMetaEarly = kPassTokens == kN && kTileTokens <= 32 && !kEpilogueWarpgroup;
   const auto load_meta = [&](u32 pass_tok0, u32 pass_rows) {
     int4 meta = make_int4(0, 0, 0, 0);
@@ -513,7 +484,7 @@ MEGAMOE_DEVICE void l2_task_columns(const ExpertTable& table, EpilogueSmem& smem
   int4 early_meta = make_int4(0, 0, 0, 0);
   if constexpr (kMetaEarly) early_meta = load_meta(0, t.num_rows < kPassTokens ? t.num_rows : kPassTokens);
   WarpAcc acc;
-  if (MEGAMOE_SMEM_MAINLOOP && stream_next) {  // only the smem mainloops stream on
+  if (stream_next) {
     const TaskOperands next = l2_operands(table, p, me, maps, next_at);
     task_gemm<kInter, kN>(acc, mainloop, st, op, &next, p);
   } else {

@@ -6,7 +6,7 @@
 // whole token tile from shared memory, 64 KB of operand reads per chunk, which is all of an SM's
 // shared-memory bandwidth for the tensor work; the TMA refills and the promotion's scale loads
 // then queue behind them. Here a chunk reads 48 KB, and the promotion needs 4 scale products per
-// thread instead of 32 (docs/kernel_notes.md v12: the probe's fused pattern with refill copies,
+// thread instead of 32 (docs/kernel_design.md: the probe's fused pattern with refill copies,
 // 921 -> 719 cycles per chunk).
 //
 // Accumulator map, 64-token tiles (group g of warpgroup w, thread lane l of warp q in the
@@ -33,7 +33,7 @@ constexpr u32 kRtGroups = kRegisterTokens128 ? 4 : 2;  // 64-row groups per warp
 // warpgroups take alternate 8-row groups, so a block whose rows fill only the tile's first half
 // (~64 rows per expert, where the padding model starts to pick 128-token tiles) still splits them,
 // and the epilogue's stores, between both; with warpgroup w on rows 64 w .. 64 w + 63, warpgroup
-// 0 stored all of such a block's L2 rows while warpgroup 1 waited (docs/kernel_notes.md v29). An
+// 0 stored all of such a block's L2 rows while warpgroup 1 waited (docs/kernel_design.md). An
 // 8-row group is one swizzle atom: ldmatrix's 8 rows per matrix stay contiguous.
 // `tid`: the thread's index (a K loop passes the one it read at its entry, common.cuh thread_index).
 MEGAMOE_DEVICE u32 register_tokens_tile_row(u32 m, u32 tid = thread_index()) {
@@ -57,7 +57,6 @@ MEGAMOE_DEVICE const float (&rt_group(const WarpAcc& acc, u32 g))[32] {
 }
 static_assert(sizeof(WarpAcc) == kRtGroups * 32 * sizeof(float) || !kRegisterTokens, "one 32-float fragment per group");
 
-#if MEGAMOE_SMEM_MAINLOOP == 3
 // A chunk's 64 token rows x 128 K bytes as wgmma A fragments: one ldmatrix.x4 per k32 step.
 struct TokenFragment {
   u32 r[kChunkBytes / 32][4];
@@ -66,7 +65,7 @@ struct TokenFragment {
 // `rows`: the task's token rows. The lanes addressing the box's rows past them (the next expert's
 // tokens, or the buffer's end) point ldmatrix at a line of zeros instead: those products are
 // dropped by the epilogue anyway, and at prefill the SM clock is what the power cap leaves, which
-// zero operands raise (kernel_notes v26). A select on each address, before the loads, so the
+// zero operands raise (docs/kernel_design.md). A select on each address, before the loads, so the
 // fragment goes from ldmatrix to the wgmma as before.
 MEGAMOE_DEVICE void load_token_fragment(TokenFragment& a, const MainloopSmem& sm, u32 stage, u32 rows, u32 tid) {
   const u32 tile = smem_addr(sm.b[stage]);
@@ -146,7 +145,7 @@ MEGAMOE_DEVICE u32 begin_register_tokens_task(float (&part)[kRegisterTokensGroup
 // refill of chunk c - 1's stage, promote g1(c - 1) (while g0(c) runs), g1(c) -> part1, promote
 // g0(c). The fragment is reloaded only with no wgmma group that reads it in flight (the PTX ISA's
 // rule; a queued group whose registers were reloaded came out wrong on an H200, one reading a copy
-// in other registers right: tests/gpu/test_wgmma_rs.py, docs/kernel_notes.md v12, v23). The
+// in other registers right: tests/gpu/test_wgmma_rs.py, docs/kernel_design.md). The
 // promotion of g1(c - 1) sits after the CTA barrier: before it, ptxas hoisted it above g0(c)'s
 // issue. One loop body: unrolled by two, ptxas serialised every wgmma (C7515). Chunk 0 is peeled
 // off so that no branch inside the loop hides from ptxas which group a wait completes. Trace
@@ -215,7 +214,7 @@ MEGAMOE_DEVICE void load_register_token_scales_128(RegisterTokenScales128& s, co
   if constexpr (kScalesIntoTables) {
     // Token row hi is 16 tokens past lo (register_tokens_tile_row): in the grouped table one address
     // and an immediate offset (through tok_scale_at for both, the loop's wgmma descriptors left the
-    // uniform registers: 309 -> 397 instructions, kernel_notes v34).
+    // uniform registers: 309 -> 397 instructions, docs/kernel_design.md).
     constexpr u32 kHiBytes = 16 * 4 * sizeof(float);
     const float* lo = &tok_scale_at(sm, kb, register_tokens_token(0, tid));
     asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+%3];"
@@ -275,6 +274,5 @@ MEGAMOE_DEVICE void k_loop_register_tokens_128(WarpAcc& acc, MainloopSmem& sm, c
     rest_of_chunk(stage, c);
   }
 }
-#endif
 
 }  // namespace megamoe::mega

@@ -1,19 +1,13 @@
-// CTA-level variants of the expert GEMM mainloop: the CTA's 256 weight rows and 32 token rows are
-// streamed through shared memory in 128-byte K chunks with cp.async (16-byte copies,
-// kMainloopStages deep, so kMainloopStages - 1 chunks = ~100 KB per SM are in flight while the
-// tensor cores work on one). The FP8 scales a task needs are copied to shared memory once at its
-// start, so the per-128-K promotion never waits on a global load inside the loop.
-//   MEGAMOE_SMEM_MAINLOOP=1 (VLLM_MEGAMOE_SM90_MAINLOOP=smem): warp-level mma.sync,
-//     fragments read from rows padded to 144 B (the 8 rows of a fragment hit 8 bank groups);
-//     token tiles of 8 that hold no row of the task are skipped.
-//   MEGAMOE_SMEM_MAINLOOP=2 (wgmma, the default): rows stored with the 128-byte swizzle wgmma descriptors
-//     read (segment s of row r at s ^ (r % 8)); each warpgroup issues m64nN wgmmas for its 128
-//     rows straight from shared memory, so no fragment goes through registers.
-//   MEGAMOE_SMEM_MAINLOOP=3 (tma): the same stages and wgmmas, filled by one thread with TMA box
-//     copies (tensor maps from the host, 128-byte swizzle) that complete on a per-stage mbarrier;
-//     token rows past the task's end are whatever follows in staging, possibly still being
-//     pulled (their columns are never stored), rows past the staging region are zero-filled. FP8
-//     promotes with a lag of one wgmma group (k_loop_lagged_promotion).
+// The CTA-level expert GEMM mainloop: the CTA's 256 weight rows and kTileTokens token rows are
+// streamed through shared memory in 128-byte K chunks, kMainloopStages deep, so kMainloopStages - 1
+// chunks are in flight while the tensor cores work on one. One thread fills each stage with two TMA
+// box copies (tensor maps from the host, 128-byte swizzle: segment s of row r at s ^ (r % 8)) that
+// complete on the stage's mbarrier; each warpgroup issues m64nN wgmmas for its 128 rows straight
+// from shared memory through descriptors. Token rows past the task's end are whatever follows in
+// staging, possibly still being pulled (their columns are never stored); rows past the staging
+// region are zero-filled. The FP8 scales a task needs are copied to shared memory once at its start,
+// so the per-128-K promotion never waits on a global load inside the loop; FP8 promotes with a lag
+// of one wgmma group (k_loop_lagged_promotion).
 #pragma once
 #include "../tma.cuh"
 #include "../wgmma.cuh"
@@ -29,10 +23,9 @@
 
 namespace megamoe::mega {
 
-constexpr bool kWgmma = MEGAMOE_SMEM_MAINLOOP >= 2;
 constexpr u32 kChunkBytes = 128;                  // K bytes per stage (FP8: one 128-value scale block)
-constexpr u32 kStagedRow = kWgmma ? 128 : 144;    // bytes per staged row: swizzled, or padded by 16
-constexpr u32 kStageAlign = kWgmma ? 1024 : 16;   // a 128-byte swizzle atom is 8 rows = 1024 bytes
+constexpr u32 kStagedRow = 128;                   // bytes per staged row (128-byte swizzle)
+constexpr u32 kStageAlign = 1024;                 // a 128-byte swizzle atom is 8 rows = 1024 bytes
 constexpr u32 kMainloopStages = MEGAMOE_MAINLOOP_STAGES;
 constexpr u32 kMaxKBlocks = (kHidden > kInter ? kHidden : kInter) / kScaleBlock;
 
@@ -40,8 +33,8 @@ constexpr u32 kMaxKBlocks = (kHidden > kInter ? kHidden : kInter) / kScaleBlock;
 // that chunk's first group is issued, so a group is queued on the tensor cores while a partial is
 // promoted, the CTA barrier waited at and the next group issued (1.03-1.15x on the K loop over
 // promoting both groups inside their chunk; one queued m64n64 group is still too short to hide a
-// promotion: docs/kernel_notes.md v7).
-constexpr bool kLagPromotion = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
+// promotion: docs/kernel_design.md).
+constexpr bool kLagPromotion = kFP8 && kMainloopStages >= 3;
 // FP8 64- and 128-token tiles with the lagged promotion: full tasks run the K loop with the tokens
 // in registers (k_loop_register_tokens.cuh), narrow tasks (64-token tiles) the swap-AB one below.
 constexpr bool kRegisterTokens = kLagPromotion && (kTileTokens == 64 || kTileTokens == 128);
@@ -52,11 +45,11 @@ constexpr bool kRegisterTokens = kLagPromotion && (kTileTokens == 64 || kTileTok
 // passes hundreds of MB through the 50 MB L2 cache and with plain copies pushes out the rows the call
 // reads again later (the L1 outputs an expert's L2 tasks read, the combine rows the reduce reads):
 // on one H200 Qwen3-like 0.96-0.99x the time at 1-128 tokens per rank, the larger layers 0.97-1.00x
-// at 1-16, but every shape 1.01-1.21x with more tokens (docs/kernel_notes.md v30): a per-call choice.
+// at 1-16, but every shape 1.01-1.21x with more tokens (docs/kernel_design.md): a per-call choice.
 #ifndef MEGAMOE_WEIGHTS_EVICT_FIRST
 #define MEGAMOE_WEIGHTS_EVICT_FIRST 0
 #endif
-constexpr bool kWeightsEvictFirst = MEGAMOE_WEIGHTS_EVICT_FIRST != 0 && MEGAMOE_SMEM_MAINLOOP == 3;
+constexpr bool kWeightsEvictFirst = MEGAMOE_WEIGHTS_EVICT_FIRST != 0;
 
 // FP8 128-token tiles: the register-token loops only (3 or more stages; sm90_mega_moe refuses 2).
 static_assert(!(kFP8 && kTileTokens == 128) || kRegisterTokens, "FP8 128-token tiles need 3 or more stages");
@@ -72,11 +65,9 @@ struct MainloopSmem {
   alignas(kStageAlign) u8 b[kMainloopStages][kTileTokens * kStagedRow];
   float tok_scale[kMaxKBlocks][kTileTokens];  // FP8: the task's token scales per 128-K block (tok_scale_col)
   float w_scale[kWScaleCopies][2][kMaxKBlocks];  // FP8: per warp (w_scale_copy), scale rows of fragment rows g | g + 8
-#if MEGAMOE_SMEM_MAINLOOP >= 3
   u64 full[kMainloopStages];                  // TMA: stage landed (phase parity = use count & 1)
-#endif
 };
-static_assert(kMainloopStages >= 2, "the cp.async pipeline needs at least two stages");
+static_assert(kMainloopStages >= 2, "the pipeline needs at least two stages");
 // The dynamic shared memory base is only 16-byte aligned: the kernel rounds it up (kStageAlign
 // slack requested on top of the struct when it exceeds 16).
 constexpr u32 kMainloopSmemSlack = kStageAlign > 16 ? kStageAlign : 0;
@@ -87,30 +78,27 @@ static_assert(sizeof(MainloopSmem) + kMainloopSmemSlack == MEGAMOE_MAINLOOP_SMEM
 #endif
 
 // First CTA-tile row of the 16-row slice that accumulators v[mt][*] of warp `warp` hold (rows
-// base + g and base + g + 8): 32 consecutive rows per warp for mma.sync, 16 rows per warp in
-// each 64-row wgmma of its warpgroup for wgmma.
+// base + g and base + g + 8): 16 rows per warp in each 64-row wgmma of its warpgroup.
 MEGAMOE_DEVICE u32 acc_row_base(u32 warp, u32 mt) {
-  return kWgmma ? (warp / 4) * 128 + mt * 64 + (warp % 4) * 16 : warp * 32 + mt * 16;
+  return (warp / 4) * 128 + mt * 64 + (warp % 4) * 16;
 }
 
 #if MEGAMOE_ABLATE & 32
 __shared__ u32 ablate_copies_issued;  // ablate=tma_warm: copies thread 0 made so far
 #endif
-#if MEGAMOE_SMEM_MAINLOOP == 3
 // 16 zero bytes: what the register-token loops load for a token box's padding rows (load_token_fragment).
 __shared__ alignas(16) u32 token_zero_line[4];
-#endif
 
 // FP8 128-token register-token builds, which hold no registers for the next task's scales
 // (TaskScaleRegs::kPrefetch) and have no shared memory to spare for a second table (DeepSeek-V3-like:
 // 1-3 KB): the next task's scales go straight into MainloopSmem's tables, with 16-byte cp.async.cg
-// copies (L2 only: an L1 line may hold rows of a token block not published yet, docs/kernel_notes.md
-// v33) issued after this task's K loop, in place of a round trip to L2 before the next K loop's
+// copies (L2 only: an L1 line may hold rows of a token block not published yet) issued after this
+// task's K loop, in place of a round trip to L2 before the next K loop's
 // first barrier (ablate=task_scales measures that round trip). The tables are free in between: the
 // 128-token L1 epilogue keeps no per-token tables there (expert_gemm.cuh kQuadScales). The staging
 // scale rows are padded to 16 bytes (kL1ScalePitch); the table needs whole groups of 4 blocks. Not
-// the 64-token builds: at 168 registers (epilogue warpgroup), a prefetch spilled them (v33).
-constexpr bool kScalesIntoTables = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kRegisterTokens && kTileTokens == 128 &&
+// the 64-token builds: at 168 registers (epilogue warpgroup), a prefetch spilled them.
+constexpr bool kScalesIntoTables = kFP8 && kRegisterTokens && kTileTokens == 128 &&
                                    !kEpilogueWarpgroup && kMaxKBlocks % 4 == 0;
 static_assert(!kScalesIntoTables || (kOffStagingL1Scale % 16 == 0 && kOffStagingL2Scale % 16 == 0),
               "16-byte scale copies need 16-byte aligned token-scale regions");
@@ -118,10 +106,7 @@ static_assert(!kScalesIntoTables || (kOffStagingL1Scale % 16 == 0 && kOffStaging
 // TMA mainloop: one arrival (the issuing thread's expect_tx) per stage use. Called by every
 // thread at kernel start; the dispatch barrier's __syncthreads follows before first use.
 MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
-#if MEGAMOE_SMEM_MAINLOOP >= 3
-#if MEGAMOE_SMEM_MAINLOOP == 3
   if (thread_index() < 4) token_zero_line[thread_index()] = 0;
-#endif
   if (thread_index() == 0) {
     for (u32 s = 0; s < kMainloopStages; ++s) mbarrier_init(&sm.full[s], 1);
 #if MEGAMOE_ABLATE & 32
@@ -129,9 +114,6 @@ MEGAMOE_DEVICE void init_mainloop(MainloopSmem& sm) {
 #endif
     fence_barrier_init();
   }
-#else
-  (void)sm;
-#endif
 }
 
 MEGAMOE_DEVICE MainloopSmem* mainloop_smem_at(u8* dynamic_smem) {
@@ -148,7 +130,6 @@ MEGAMOE_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::
 template <int N>
 MEGAMOE_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-MEGAMOE_DEVICE u32 lds_u32(const u8* p) { return *reinterpret_cast<const u32*>(p); }
 // The mainloop's shared memory is reached through a pointer computed from the dynamic smem base,
 // which the compiler only knows as generic: the scale reads of every promotion say shared.
 MEGAMOE_DEVICE float lds_f32(const float* p) {
@@ -174,7 +155,7 @@ struct TaskScaleRegs {
   // 18 values) spills the FP8 64-token build, which then loads its scales at each task's start;
   // the register-token loop keeps a second partial live across its CTA barrier, and with the
   // prefetch the Qwen3-like build spilled.
-  static constexpr bool kPrefetch = kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && !kRegisterTokens && kTok + 2 * kW <= 12;
+  static constexpr bool kPrefetch = kFP8 && !kRegisterTokens && kTok + 2 * kW <= 12;
 };
 
 // Chunks this CTA has issued in the current phase of K = `K` (a chunk's stage is its sequence
@@ -209,21 +190,11 @@ MEGAMOE_DEVICE void wait_phase_or_trap(u64* bar, u32 use, const Params& p, int k
   }
 }
 
-#if MEGAMOE_SMEM_MAINLOOP >= 3
 // Waits for a TMA stage; a copy that never lands is reported with its stage and use.
 MEGAMOE_DEVICE void wait_stage(u64* bar, u32 stage, u32 use, const Params& p, int phase) {
   wait_phase_or_trap(bar, use, p, kErrorStageTimeout, phase, stage);
 }
-#endif
 
-// Byte offset of 16-byte segment `seg` of staged row `row` within a stage.
-MEGAMOE_DEVICE u32 staged_offset(u32 row, u32 seg) {
-  return row * kStagedRow + (kWgmma ? (seg ^ (row % 8)) : seg) * 16;
-}
-
-// Issues the copies of K chunk `chunk` of a task into `stage`: 256 weight rows (8 x 16 B each)
-// and the 32 token rows (clamped to the last valid row, like mma_tile.cuh).
-#if MEGAMOE_SMEM_MAINLOOP >= 3
 // TMA: the two box copies of chunk `chunk` into `stage`, completing on its mbarrier (one thread).
 MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op, const Params& p) {
   if constexpr (kAblate & kAblateTma) {  // the stage's phase completes with this arrival alone
@@ -248,29 +219,11 @@ MEGAMOE_DEVICE void issue_chunk_tma(MainloopSmem& sm, u32 stage, u32 chunk, cons
   tma_load_2d(op.b_map, sm.b[stage], &sm.full[stage], k,
               (kAblate & kAblateTokenRows) ? 0 : static_cast<int>(op.rows.first_row));
 }
-#endif
 
 // `tid`: the thread's index, read once at the K loop's entry (common.cuh thread_index); so below.
 template <u32 K>
 MEGAMOE_DEVICE void load_chunk(MainloopSmem& sm, u32 stage, u32 chunk, const TaskOperands& op, const Params& p, u32 tid) {
-#if MEGAMOE_SMEM_MAINLOOP >= 3
   if (tid == 0) issue_chunk_tma(sm, stage, chunk, op, p);
-#else
-  (void)p;
-  constexpr u64 kAPitch = static_cast<u64>(K) * kElemBytes;
-  const u32 k0 = chunk * kChunkBytes;
-#pragma unroll
-  for (u32 j = 0; j < kTileRows * 8 / kNumMmaThreads; ++j) {
-    const u32 i = tid + j * kNumMmaThreads, row = i / 8, seg = i % 8;
-    cp_async_16(sm.a[stage] + staged_offset(row, seg), op.a + row * kAPitch + k0 + seg * 16);
-  }
-#pragma unroll
-  for (u32 j = 0; j < kTileTokens * 8 / kNumMmaThreads; ++j) {
-    const u32 i = tid + j * kNumMmaThreads, tok = i / 8, seg = i % 8;
-    const u32 row = op.rows.first_row + (tok < op.rows.num_rows ? tok : op.rows.num_rows - 1);
-    cp_async_16(sm.b[stage] + staged_offset(tok, seg), op.tok + static_cast<u64>(row) * op.tok_pitch + k0 + seg * 16);
-  }
-#endif
 }
 
 // Chunk `ahead` of the current task or, past its end, chunk ahead - K-chunks of the next task (when
@@ -284,39 +237,6 @@ MEGAMOE_DEVICE void load_chunk_ahead(MainloopSmem& sm, const MainloopState<K>& s
     load_chunk<K>(sm, stage, ahead, cur, p, tid);
   else if (next != nullptr)
     load_chunk<K>(sm, stage, ahead - kChunks, *next, p, tid);
-}
-
-// part += this warp's 32 rows x 32 tokens over one staged K chunk (4 MMA k-steps of 32 bytes).
-// Only the first `ntiles` n8 token tiles hold rows of the task (uniform over the CTA).
-MEGAMOE_DEVICE void mma_chunk(WarpAcc& part, const MainloopSmem& sm, u32 stage, u32 ntiles, u32 tid) {  // 32-token tiles
-  const u32 warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const u8* a = sm.a[stage] + (warp * 32 + g) * kStagedRow + t4 * 4;
-  const u8* b = sm.b[stage] + g * kStagedRow + t4 * 4;
-#pragma unroll 2  // fully unrolled, the fragments of 4 k-steps stay live and spill (FP8)
-  for (u32 ks = 0; ks < kChunkBytes; ks += 32) {
-    u32 af[2][4], bf[4][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const u8* row = a + mt * 16 * kStagedRow + ks;
-      af[mt][0] = lds_u32(row);
-      af[mt][1] = lds_u32(row + 8 * kStagedRow);
-      af[mt][2] = lds_u32(row + 16);
-      af[mt][3] = lds_u32(row + 8 * kStagedRow + 16);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      if (nt >= ntiles) break;
-      const u8* row = b + nt * 8 * kStagedRow + ks;
-      bf[nt][0] = lds_u32(row);
-      bf[nt][1] = lds_u32(row + 16);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      if (nt >= ntiles) break;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) mma_k32_bytes(part.v[mt][nt], af[mt], bf[nt]);
-    }
-  }
 }
 
 // part (+)= this warpgroup's 128 rows x kTileTokens tokens over one staged K chunk with wgmma: two m64nN
@@ -350,7 +270,7 @@ MEGAMOE_DEVICE u64 stage_desc_a(const MainloopSmem& sm, u32 stage, u32 mt, u32 t
 
 // BF16 with the TMA stages: a chunk's wgmmas are left in flight while the next chunk's are
 // issued (wait_group 1), so the tensor cores never drain between chunks (k_loop_deferred_wait).
-constexpr bool kDeferWgmmaWait = !kFP8 && MEGAMOE_SMEM_MAINLOOP == 3 && kMainloopStages >= 3;
+constexpr bool kDeferWgmmaWait = !kFP8 && kMainloopStages >= 3;
 
 // acc += one staged chunk (BF16), the chunk's wgmmas one commit group; returns with at most
 // kPending groups of this warpgroup still in flight.
@@ -372,13 +292,12 @@ MEGAMOE_DEVICE void wgmma_chunk(WarpAcc& acc, const MainloopSmem& sm, u32 stage,
   fence_accumulators(d1);
 }
 
-#if MEGAMOE_SMEM_MAINLOOP == 3
 // The BF16 K loop of one task (acc zeroed, the first S - 1 chunks issued). Per chunk c: wait for
 // its stage, issue its wgmmas, wait for chunk c - 1's (c's stay queued on the tensor cores), CTA
 // barrier, refill chunk c - 1's stage with chunk c + S - 1. Refilling after the barrier that
 // follows the issue keeps S - 1 chunks streaming; the barrier before the issue (the other loops)
 // could only refill the stage of chunk c - 2 and kept S - 2 in flight, which bound the BF16
-// prefill tasks: without any wgmma they took 0.87-0.92 of their time (docs/kernel_notes.md v19).
+// prefill tasks: without any wgmma they took 0.87-0.92 of their time (docs/kernel_design.md).
 // Chunk 0 refills the previous task's last stage (its epilogue tile, which that task's end
 // barrier released).
 template <u32 K>
@@ -397,7 +316,6 @@ MEGAMOE_DEVICE void k_loop_deferred_wait(WarpAcc& acc, MainloopSmem& sm, const M
   fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[0][0][0]));
   fence_accumulators(*reinterpret_cast<float(*)[kAccum]>(&acc.v[1][0][0]));
 }
-#endif
 
 // Column of token `tok` in row `kb` of MainloopSmem::tok_scale: XOR-swizzled by an even number,
 // so a promotion's reads (8 consecutive tokens of one block) stay conflict-free and pairwise
@@ -473,7 +391,7 @@ MEGAMOE_DEVICE void cp_async_4(void* smem, const void* gmem) {
 
 // kScalesIntoTables: after this task's K loop (every thread past its last barrier, done with the
 // tables), the next task's scales straight into them: 16-byte cp.async.cg copies of 4 K-blocks of
-// a token row as stored (L2 only: an L1 line may hold rows of a token block published later, v33),
+// a token row as stored (L2 only: an L1 line may hold rows of a token block published later),
 // past-the-end tokens copying the last valid row, and warp 0's weight-scale entries by 4-byte
 // cp.async (a call never writes them). Waited for at the next task's start (stage_task_scales, which
 // also copies a phase's first task's this way); the K loop's first barrier shows them to every thread.
@@ -590,7 +508,7 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 // A task whose token block holds at most half a tile of rows (an expert's last, partly filled
 // block; every block at low tokens per expert) runs the lagged loop with m64n(kTileTokens / 2)
 // wgmmas and promotes only those columns (half the wgmma and promotion work; the loop's fixed
-// per-chunk chain stays, so it takes ~0.64x the time: docs/kernel_notes.md v8); its epilogue
+// per-chunk chain stays, so it takes ~0.64x the time: docs/kernel_design.md); its epilogue
 // covers those columns only.
 // The choice is made per task, around K loop and epilogue together (expert_gemm.cuh): a branch
 // around the K loop alone left two allocations of acc live at the join, and the 64-token builds spilled.
@@ -599,7 +517,6 @@ MEGAMOE_DEVICE void wgmma_chunk_promote_overlapped(WarpAcc& acc, const MainloopS
 constexpr u32 kNarrowTokens = kTileTokens / 2;
 constexpr bool kNarrowTasks = kLagPromotion && kTileTokens == 64;
 
-#if MEGAMOE_SMEM_MAINLOOP == 3
 // One m64nN group (N = kN) of a staged chunk into `part` (overwritten), committed.
 template <u32 kN>
 MEGAMOE_DEVICE void issue_group(float (&part)[kN / 2], const MainloopSmem& sm, u32 stage, u32 mt, u32 tid) {
@@ -673,6 +590,5 @@ MEGAMOE_DEVICE void k_loop_lagged_promotion(WarpAcc& acc, MainloopSmem& sm, cons
   }
   promote_after<0, kN>(acc.v[1], part1, scales);
 }
-#endif
 
 }  // namespace megamoe::mega

@@ -41,7 +41,7 @@ enum TaskSpan : int {
 };
 constexpr int kPhaseClockColumns = kNumPhaseMarks + kNumTaskSpans;
 
-// Chunk trace (MEGAMOE_CHUNK_TRACE builds, profiling; VLLM_MEGAMOE_SM90_CHUNK_TRACE=1): lane 0 of
+// Chunk trace (MEGAMOE_CHUNK_TRACE builds, profiling; sm90_mega_moe.BuildOptions.chunk_trace): lane 0 of
 // every warp writes clock64 at kTracePoints points of K chunks kTraceFirstChunk.. of its CTA's
 // L1 task number kTraceTask (counted from 0, MEGAMOE_TRACE_TASK: 0 at a few tokens per rank, where
 // a CTA runs one L1 task; the lagged FP8 loop only), after the marks and spans:

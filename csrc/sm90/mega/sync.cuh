@@ -140,22 +140,12 @@ MEGAMOE_DEVICE void nvlink_barrier(u8* const* peers, int rank, u32 num_ctas, u32
       if (deadline.expired()) {
         const u32 arrived = ld_acquire_gpu(arrivals);
         if (arrived != 0) {
-#if MEGAMOE_TRAP_PRINTF
-          printf("megamoe: rank %d CTA %d timed out in %s waiting for the other CTAs of its grid (%u of %u "
-                 "arrived); were all CTAs resident? Lower VLLM_MEGAMOE_NUM_SMS if other kernels occupy SMs.\n",
-                 rank, blockIdx.x, phase_name(phase), arrived, num_ctas);
-#endif
           report_and_trap(record, kErrorGridTimeout, rank, phase, static_cast<int>(arrived),
                           static_cast<int>(arrived), static_cast<int>(num_ctas));
         }
         int ranks_in = 0;
         for (u32 r = 0; r < kNumRanks; ++r)
           ranks_in += static_cast<int>(static_cast<u32>(ld_acquire_sys(ws + word + r)) - target) >= 0;
-#if MEGAMOE_TRAP_PRINTF
-        if (blockIdx.x == 0)  // every CTA times out alike; one line (the record holds the first report)
-          printf("megamoe: rank %d timed out in %s: %d of %u ranks arrived, rank %u did not; a peer rank "
-                 "did not launch this call or died.\n", rank, phase_name(phase), ranks_in, kNumRanks, thread_index());
-#endif
         report_and_trap(record, kErrorNvlinkTimeout, rank, phase, ranks_in, static_cast<int>(thread_index()),
                         static_cast<int>(kNumRanks));
       }

@@ -8,11 +8,11 @@
 // task is known early enough for the mainloop to stream into it. Asked at the task's start, the
 // atomic waited behind the previous task's epilogue stores (combine rows, staging rows) in thread
 // 0's memory pipeline while every MMA warp waited at the task's first barrier for thread 0
-// (docs/kernel_notes.md v28's task trace). So the builds whose MMA warps store their own
+// (docs/kernel_design.md: the task trace). So the builds whose MMA warps store their own
 // epilogues ask between the K loop and those stores (the epilogue hides the round trip), and the
 // epilogue-warpgroup builds, whose hand-off is too short for that, once the token block is ready;
 // and the ask does not wait for its answer (atom_inc_relaxed_gpu): thread 0 reads it at the task's
-// end (docs/kernel_notes.md v29).
+// end (docs/kernel_design.md).
 #pragma once
 #include "params.cuh"
 #include "sync.cuh"

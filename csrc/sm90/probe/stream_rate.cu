@@ -1,6 +1,6 @@
 // How fast an SM's stages fill with the fused kernel's operand boxes (TMA, no math), alone or in
 // 2-CTA clusters whose CTAs multicast one operand to both: is the prefill K loop's operand stream
-// (v19: 0.73-0.83 of an FP8 L1 task without any wgmma) bound by what the L2 cache hands out, which a
+// (0.73-0.83 of an FP8 L1 task without any wgmma) bound by what the L2 cache hands out, which a
 // shared weight box halves, or by what an SM takes in, which it does not change?
 // (benchmarks/stream_probe.py)
 //
@@ -22,11 +22,11 @@
 //                   arrived where they should); 0 for timing
 // PROBE_SPIN     SM clocks the consumer holds each stage before releasing it (the K loop's math on
 //                   the chunk, ~1600 for an FP8 128-token chunk): does the stream keep up with a
-//                   consumer at that pace, or does a chunk still wait for its stage (v23)?
+//                   consumer at that pace, or does a chunk still wait for its stage?
 // PROBE_TILED    0: weights as the fused kernel keeps them, rows of kChunks x 128 bytes (a box is 256
 //                   pieces of 128 bytes, one per row, a row pitch apart); 1: each box stored whole,
 //                   [tile][chunk][256 rows][128 bytes] (a box is 32 KB in a row): does HBM serve a
-//                   decode task's stream faster when a box is contiguous (kernel_notes v26)?
+//                   decode task's stream faster when a box is contiguous (docs/kernel_design.md)?
 #include "../tma.cuh"
 
 #ifndef PROBE_CHECKSUM

@@ -1,5 +1,5 @@
 // Checks the FP8 wgmma with its A operand in registers, the building block of a K loop that keeps
-// the token tile in registers (docs/kernel_notes.md v11): one warpgroup computes
+// the token tile in registers (docs/kernel_design.md): one warpgroup computes
 // D[64][N] = A[64][128] x B[N][128]^T (e4m3, FP32 accumulation) from tiles stored the way TMA
 // stores them (128-byte rows, 16-byte segment s of row r at s ^ (r % 8)), A loaded into registers
 // per k-step by load_a_fragment_fp8_sw128 (ldmatrix), B read through a descriptor
@@ -8,7 +8,7 @@
 // CHECK_N      the wgmma N: rows of B and columns of D (a multiple of 8 up to 256)
 // CHECK_REUSE  two wgmma groups per A fragment in a loop that is not unrolled (so a fragment
 //              variable has one set of registers), the pattern of a K loop with the tokens in
-//              registers (docs/kernel_notes.md v12): per rep r the tile A (r even) or A2 (r odd)
+//              registers (docs/kernel_design.md): per rep r the tile A (r even) or A2 (r odd)
 //              is loaded, group 0 (D) and group 1 (D2) read it, and D = D2 = 2 (A + A2) x B^T
 //              if nothing a group reads changes under it.
 //              1: both groups read the one fragment
@@ -17,9 +17,9 @@
 //              may still be queued); 1: both are (nothing in flight during the reload).
 //              Measured on H200 (tests/gpu/test_wgmma_rs.py): with 0, D2 is wrong in the rows of
 //              the fragment's registers 0 and 2 in form 1 and right in form 2 (a real copy: the
-//              XOR below, which ptxas 13.0 cannot fold back into frag as it folded v12's mov); with
+//              XOR below, which ptxas 13.0 cannot fold back into frag as it folded an earlier build's mov); with
 //              1, both are right in both forms. The hazard is the register overlap the PTX ISA
-//              names (docs/kernel_notes.md v23). tests/test_wgmma_probe.py checks each build's SASS.
+//              names (docs/kernel_design.md). tests/test_wgmma_probe.py checks each build's SASS.
 // CHECK_RELOAD 0: the fragment is loaded at the first rep only (D = D2 = 4 A x B^T): with
 //              nothing reloaded, a queued group 1 is right.
 // CHECK_WARPGROUPS 2: two warpgroups run the same check side by side (a fused K loop has two:
