@@ -52,7 +52,7 @@ def _rank_main(rank, world, group, shapes, fmt, tokens_list, iters):
 
 
 def markdown_table(path: str) -> str:
-    """The recorded run as a markdown table (what docs/kernel_notes.md shows)."""
+    """The recorded run as a markdown table (what docs/kernel_design.md shows)."""
     with open(path) as f:
         data = json.load(f)
     env = data["env"]

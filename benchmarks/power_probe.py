@@ -3,7 +3,7 @@ power cap, sustained.
 
     python -m benchmarks.power_probe --out power_probe.json          # one GPU, ~30 s
 
-Why (docs/kernel_notes.md v26): at 8192 tokens per rank the fused kernel's SM clock falls from
+Why (docs/kernel_design.md): at 8192 tokens per rank the fused kernel's SM clock falls from
 ~1.78 GHz (math alone, or copies alone) to ~1.5 GHz (both: the weights streaming from HBM beside
 the tensor work), and the cycles per task stay the same, so the time is what the power cap allows.
 A 128-token tile of an expert with 192 rows computes 64 padding rows in its second block, rows

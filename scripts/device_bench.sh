@@ -6,7 +6,7 @@
 # Usage on the device machine, from the repository root:
 #     MEGAMOE_COMMIT=<sha> bash scripts/device_bench.sh          (carry: .whl for the SGLang baseline)
 # Write the sha out, from this machine: on the device, `git rev-parse HEAD` gave the session's base
-# commit, not the commit of the tree that travelled (v39).
+# commit, not the commit of the tree that travelled.
 # Knobs (environment): GPUS, SHAPES, TOKENS, FORMATS, ITERS, SHAPE_TIMEOUT (s per shape), SHAPE_BUDGET.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,7 +51,7 @@ fi
 
 # The SM clock, power and temperature every second through the run: two machine leases ran
 # the same prefill cases up to ~10 % apart (the SM clock drops to ~1.5 GHz under FP8 prefill,
-# docs/kernel_notes.md v17), and this says which lease was throttled when.
+# docs/kernel_design.md), and this says which lease was throttled when.
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -l 1 \
   > "$OUT/clocks.csv" 2>/dev/null &
 CLOCKS_PID=$!

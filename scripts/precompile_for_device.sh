@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
-# No GPU: compile into .probe_jit/<PLAN> (or VLLM_MEGAMOE_CACHE_DIR) the SM90 builds the next device calls of
-# scripts/device_next_session.sh load, so the device spends its minutes running them, not compiling
-# (NVRTC here is the device's 13.0, and the cache keys hold only sources, defines and compiler).
-# Carry the plan's folder (`run` carry [".probe_jit/ep2"]) and export VLLM_MEGAMOE_CACHE_DIR=$PWD/.probe_jit/ep2
-# there: one folder a plan, so a call carries only its own builds (all plans together pass the 64 MiB).
-#   PLAN=ep2 (default): the kernel tests on 2 GPUs (STEP=verify), STEP=decode, STEP=nvl_stores, STEP=bench
-#   PLAN=ep1: STEP=one_gpu's kernel tests, STEP=wg128, STEP=task_scales and STEP=ep1_lookup
-#   PLAN=cand: STEP=candidates: the one-GPU kernel tests' and sanitizer probe's builds of every
-#              candidate tree in .probe_cand/ (scripts/candidate_trees.sh), and the probe's builds of
-#              VARIANTS (SHAPES, TOKENS) as STEP=candidates runs them; carry [".probe_jit/cand", ".probe_cand"]
-# A build missing here is still compiled on the device at its first call (a test's forced
-# setting not listed below, a changed test buffer): this saves time, it decides nothing.
+# No GPU: compile into .probe_jit/<PLAN> (or VLLM_MEGAMOE_CACHE_DIR) the SM90 builds a device script
+# loads, so the device spends its minutes running them, not compiling (NVRTC here is the device's
+# 13.0, and the cache keys hold only sources, defines and compiler). Carry the plan's folder
+# (`run` carry [".probe_jit/verify"]); the device scripts use it when it is there.
+#   PLAN=verify (default): scripts/device_verify.sh's kernel tests on one GPU and on 2 ranks, and
+#                          the sanitizer probe
+#   PLAN=bench:  scripts/device_bench.sh and scripts/device_tune.sh at EP1 and EP2 (8192 tokens a rank)
+#   PLAN=e2e:    scripts/device_vllm_e2e.sh (the vLLM tests' and benchmark's layers)
+# A build missing here is still compiled on the device at its first call: this saves time, it
+# decides nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
-export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-$PWD/.probe_jit/${PLAN:-ep2}}"
+export VLLM_MEGAMOE_CACHE_DIR="${VLLM_MEGAMOE_CACHE_DIR:-$PWD/.probe_jit/${PLAN:-verify}}"
 pc() { "$PY" -m vllm_megamoe.cli precompile "$@" | tail -1; }
 probe() {  # a failing probe shows why (its last lines) and stops the script
   local log; log=$(mktemp)
@@ -40,7 +38,7 @@ one_gpu_test_builds() {
   for t in 32 64 128; do
     for s in $SMALL $V4 $QWEN3; do VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format fp8-block --ep-size 1 --max-tokens-per-rank 4096; done
     for s in $SMALL $V4; do
-      VLLM_MEGAMOE_SM90_MAINLOOP=tma VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format bf16 --ep-size 1 --max-tokens-per-rank 4096
+      VLLM_MEGAMOE_SM90_TOKEN_TILE=$t pc --shape $s --format bf16 --ep-size 1 --max-tokens-per-rank 4096
     done
   done
 }
@@ -51,50 +49,31 @@ sanitize_probe_builds() {
     pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 40
     VLLM_MEGAMOE_SM90_TOKEN_TILE=64 pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 200
     VLLM_MEGAMOE_SM90_TOKEN_TILE=128 pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 300
-    VLLM_MEGAMOE_SM90_TOKEN_TILE=128 VLLM_MEGAMOE_SM90_EPILOGUE_WARPGROUP_128=1 \
-      pc --shape $SMALL --format $f --ep-size 1 --max-tokens-per-rank 300
+    # the 128-token epilogue warpgroup is a development build (BuildOptions): the probe compiles it
+    probe --gpus 1 --shapes $SMALL --format $f --tokens 300 --variants tile=128,epilogue_wg128=1
   done
 }
-case "${PLAN:-ep2}" in
-  ep2)
+case "${PLAN:-verify}" in
+  verify)
+    one_gpu_test_builds
+    sanitize_probe_builds
     # tests/gpu/test_sm90_mega_moe.py on 2 ranks (mega_cases.SHAPES; buffers of the cases' largest count)
     for s in $SMALL $QWEN3 $V4 $DSV3_64E; do
       for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 4096; done
     done
-    VLLM_MEGAMOE_SM90_TOKEN_TILE=64 pc --shape $V4 --format fp8-block --ep-size 2 --max-tokens-per-rank 4096
-    multi_rank_extras fp8-block bf16
-    # STEP=decode, STEP=nvl_stores, then STEP=bench (buffers of 8192 tokens per rank)
-    probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1 8 --variants default stages=5,tile=32 trace=1,trace_task=0
-    probe --gpus 2 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=stores
-    for s in $V4 $DSV3 $QWEN3; do
-      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 2 --max-tokens-per-rank 8192; done
+    multi_rank_extras fp8-block bf16 ;;
+  bench)
+    for ep in 1 2; do
+      for s in $V4 $DSV3 $QWEN3; do
+        for f in fp8-block bf16; do pc --shape $s --format $f --ep-size $ep --max-tokens-per-rank 8192; done
+      done
     done ;;
-  ep1)
-    one_gpu_test_builds
-    sanitize_probe_builds
-    pc --shape $SMALL --format fp8-block --ep-size 2 --max-tokens-per-rank 4096
-    multi_rank_extras fp8-block
-    probe --gpus 1 --format fp8-block --shapes qwen3-30b-a3b --tokens 2048 8192 \
-      --variants default stages=3 epilogue_wg128=1 epilogue_wg128=1,ablate=epilogue ablate=epilogue
-    probe --gpus 1 --shapes v4-flash deepseek-v3 qwen3-30b-a3b --tokens 1024 8192 --variants default ablate=task_scales
-    # STEP=ep1_lookup: its probe, then the EP1 benchmark (buffers of 8192 tokens per rank)
-    probe --gpus 1 --format fp8-block --shapes v4-flash deepseek-v3 --tokens 768 1024 1536 --variants default stages=4,tile=32
-    for s in $V4 $DSV3 $QWEN3; do
-      for f in fp8-block bf16; do pc --shape $s --format $f --ep-size 1 --max-tokens-per-rank 8192; done
-    done ;;
-  cand)
-    # STEP=candidates: each candidate tree's one-GPU test and sanitizer probe builds (this tree's tests
-    # do not run in that step), then the A/B's builds (VARIANTS name the trees: csrc=.probe_cand/NAME/csrc)
-    ls -d .probe_cand/*/csrc > /dev/null || { echo "no candidate trees: run scripts/candidate_trees.sh first"; exit 2; }
-    for tree in .probe_cand/*/csrc; do
-      export VLLM_MEGAMOE_CSRC_DIR="$PWD/$tree"; one_gpu_test_builds; sanitize_probe_builds; unset VLLM_MEGAMOE_CSRC_DIR
+  e2e)
+    for f in bf16 fp8-block; do
+      for t in 2048 16384; do pc --shape $QWEN3 --format $f --ep-size 1 --max-tokens-per-rank $t; done
     done
-    for fmt in ${FORMATS:-fp8-block bf16}; do
-      tokens="${TOKENS:-1024 2048 8192}"; [ "$fmt" = bf16 ] && tokens="${BF16_TOKENS:-8192}"
-      probe --gpus 1 --format $fmt --shapes ${SHAPES:-v4-flash deepseek-v3 qwen3-30b-a3b} --tokens $tokens \
-        --variants ${VARIANTS:-default $(for t in .probe_cand/*/csrc; do printf 'csrc=%s ' "$t"; done)}
-    done ;;
-  *) echo "unknown PLAN=${PLAN}: ep2, ep1 or cand"; exit 2 ;;
+    pc --shape 2048x512x64x8 --format bf16 --ep-size 1 --max-tokens-per-rank 2048 ;;
+  *) echo "unknown PLAN=${PLAN}: verify, bench or e2e"; exit 2 ;;
 esac
 du -sh "$VLLM_MEGAMOE_CACHE_DIR"
 # `run` carries 64 MiB in all (.whl's wheels are 7 of them): a plan's cache that grew over several

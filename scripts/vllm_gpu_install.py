@@ -29,6 +29,8 @@ import sys
 import tarfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_gpu_pack import sha256_file  # noqa: E402  (stdlib only, like this script)
 HOME = os.environ.get("MEGAMOE_VLLM_HOME", "/tmp/megamoe-vllm")
 CHUNKS = os.path.join(HOME, "chunks")
 SITE = os.path.join(HOME, "site")
@@ -40,14 +42,6 @@ ACCEPTED_MISMATCHES = {"torch", "torchaudio", "torchvision", "triton"}
 class InstallError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"vllm_gpu_install: {message}")
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_manifest(where: str) -> dict:

@@ -234,34 +234,41 @@ def test_cuda_ipc_backend_needs_a_cuda_device():
         SymmBuffer(SHAPE, 8, None, backend="ipc")
 
 
-@pytest.mark.parametrize("var,default", [("VLLM_MEGAMOE_PORTABLE_SCATTER", "auto"),
-                                         ("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "auto"),
-                                         ("VLLM_MEGAMOE_PORTABLE_REDUCE", "auto")])
-def test_portable_kernel_settings_are_checked(monkeypatch, var, default):
-    from vllm_megamoe import portable_activation, portable_combine, portable_settings
-    read = {"VLLM_MEGAMOE_PORTABLE_SCATTER": portable_combine.scatter_setting,
-            "VLLM_MEGAMOE_PORTABLE_ACTIVATION": portable_activation.activation_setting,
-            "VLLM_MEGAMOE_PORTABLE_REDUCE": portable_combine.reduce_setting}[var]
+@pytest.mark.parametrize("kernel", ["scatter", "activation", "reduce"])
+def test_portable_kernel_settings_are_checked(monkeypatch, kernel):
+    """VLLM_MEGAMOE_PORTABLE_KERNELS (developer key): auto / torch / triton for every kernel, or
+    kernel=choice; auto is triton where it imports; a bad value names the variable."""
+    from vllm_megamoe import settings
+    from vllm_megamoe.portable import activation, combine
+    var = "VLLM_MEGAMOE_PORTABLE_KERNELS"
+    read = {"scatter": combine.scatter_setting, "activation": activation.activation_setting,
+            "reduce": combine.reduce_setting}[kernel]
+    other = next(k for k in settings.PORTABLE_KERNELS if k != kernel)
     for have_triton in (True, False):
-        monkeypatch.setattr(portable_settings, "triton_available", lambda: have_triton)
+        monkeypatch.setattr(settings, "triton_available", lambda: have_triton)
         monkeypatch.delenv(var, raising=False)
-        assert read() == ("triton" if default == "auto" and have_triton else "torch")
-        monkeypatch.setenv(var, "auto")
         assert read() == ("triton" if have_triton else "torch")
-        monkeypatch.setenv(var, "torch")
-        assert read() == "torch"
-        monkeypatch.setenv(var, "triton")
+        for value in ("auto", " ", f"{kernel}=auto", f"torch,{kernel}=auto", f"{other}=torch"):
+            monkeypatch.setenv(var, value)
+            assert read() == ("triton" if have_triton else "torch"), value
+        for value in ("torch", f"{kernel}=torch", f"triton,{kernel}=torch", f" {kernel} = TORCH "):
+            monkeypatch.setenv(var, value)
+            assert read() == "torch", value
+        monkeypatch.setenv(var, f"{kernel}=triton")
         if have_triton:
             assert read() == "triton"
         else:
-            with pytest.raises(ValueError, match=f"{var}=triton needs the triton package"):
+            with pytest.raises(ValueError, match=f"{var}: {kernel}=triton needs the triton package"):
                 read()
     monkeypatch.setenv(var, "nccl")
-    with pytest.raises(ValueError, match=f"{var}='nccl' must be one of"):
+    with pytest.raises(ValueError, match=f"{var}='nccl': 'nccl' must be one of"):
         read()
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "cub")
-    with pytest.raises(ValueError, match="VLLM_MEGAMOE_PORTABLE_REDUCE='cub' must be one of"):
-        portable_combine.reduce_setting()
+    monkeypatch.setenv(var, f"{kernel}=cub")
+    with pytest.raises(ValueError, match=f"{var}='{kernel}=cub': {kernel}='cub' must be one of"):
+        read()
+    monkeypatch.setenv(var, "redcue=torch")
+    with pytest.raises(ValueError, match="unknown kernel 'redcue' \\(did you mean 'reduce'\\?\\)"):
+        read()
 
 
 def _rank_with_shm_dir(rank, world, group, bad_dir):

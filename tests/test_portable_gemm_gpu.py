@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from vllm_megamoe import quant, reference
-from vllm_megamoe.portable_gemm import grouped_fp8_block_gemm
+from vllm_megamoe.portable.gemm import grouped_fp8_block_gemm
 
 
 @pytest.mark.gpu

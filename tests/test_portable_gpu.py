@@ -95,9 +95,9 @@ def test_cuda_graph_two_gpus(fmt):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
 def test_padded_mode_with_the_triton_combine_scatter(fmt):
-    """VLLM_MEGAMOE_PORTABLE_SCATTER=triton: live rows written by one kernel to their peers; the
+    """VLLM_MEGAMOE_PORTABLE_KERNELS=scatter=triton: live rows written by one kernel to their peers; the
     same cases as the index_put version, eager and captured."""
-    env = {"VLLM_MEGAMOE_PORTABLE_SCATTER": "triton"}
+    env = {"VLLM_MEGAMOE_PORTABLE_KERNELS": "scatter=triton"}
     rows = run_ranks(_rank_main, 2, (SHAPES[1], fmt, "padded"), backend="nccl", timeout_s=300, env=env)
     assert_rows(rows, fmt)
     for errs in run_ranks(_graph_rank, 2, (SHAPES[1], fmt, 64), backend="nccl", timeout_s=300, env=env):
@@ -107,9 +107,9 @@ def test_padded_mode_with_the_triton_combine_scatter(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["exact", "padded"])
 def test_triton_activation_one_gpu(mode, monkeypatch):
-    """VLLM_MEGAMOE_PORTABLE_ACTIVATION=triton: SwiGLU x weight + FP8 requantization in one kernel,
+    """VLLM_MEGAMOE_PORTABLE_KERNELS=activation=triton: SwiGLU x weight + FP8 requantization in one kernel,
     the same cases against the reference (FP8 weights; BF16 has no requantization)."""
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_ACTIVATION", "triton")
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_KERNELS", "activation=triton")
     rows = _rank_main(0, 1, None, SHAPES[1], "fp8-block", mode)
     errs = _graph_rank(0, 1, None, SHAPES[1], "fp8-block", 64)
     assert_rows([rows], "fp8-block")
@@ -121,7 +121,8 @@ def test_triton_activation_matches_the_torch_ops():
     """The fused kernel against reference.swiglu + quant.quantize_fp8_tokens on random rows:
     scales equal but for silu's last bits, FP8 codes equal but on rounding boundaries, dequantized
     rows within one FP8 step."""
-    from vllm_megamoe import portable_activation, quant
+    from vllm_megamoe import quant
+    from vllm_megamoe.portable import activation as portable_activation
     torch.manual_seed(0)
     rows, inter = 300, 512
     gate_up = (torch.randn(rows, 2 * inter, device="cuda") * 3).to(torch.bfloat16)
@@ -144,9 +145,9 @@ def test_triton_activation_matches_the_torch_ops():
 
 @pytest.mark.gpu
 def test_triton_reduce_matches_the_torch_ops(monkeypatch):
-    """VLLM_MEGAMOE_PORTABLE_REDUCE=triton: the top-k reduce kernel against the torch version on
+    """VLLM_MEGAMOE_PORTABLE_KERNELS=reduce=triton: the top-k reduce kernel against the torch version on
     random combine slots with masked routes, and the portable path with it (eager and captured)."""
-    from vllm_megamoe import portable_combine
+    from vllm_megamoe.portable import combine as portable_combine
     shape = SHAPES[1]
     buf = SymmBuffer(shape, 300, None, format="bf16", device="cuda:0")
     try:
@@ -163,7 +164,7 @@ def test_triton_reduce_matches_the_torch_ops(monkeypatch):
             assert (got == want).float().mean() > 0.999
     finally:
         buf.destroy()
-    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_REDUCE", "triton")
+    monkeypatch.setenv("VLLM_MEGAMOE_PORTABLE_KERNELS", "reduce=triton")
     for fmt in ("bf16", "fp8-block"):
         assert_rows([_rank_main(0, 1, None, shape, fmt, "padded")], fmt)
         errs = _graph_rank(0, 1, None, shape, fmt, 64)

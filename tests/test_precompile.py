@@ -210,16 +210,20 @@ def test_recorded_specs_precompile_into_the_cache(tmp_path, monkeypatch, capsys)
     `vllm-megamoe precompile FILE` compiles the recorded specs into another cache under the keys a
     later run looks up, and finds them there the second time."""
     from vllm_megamoe import cli
-    from vllm_megamoe.kernels import sm90_grouped_gemm as g
+
+    def probe(stages):  # a small kernel: the stream-rate probe's source (benchmarks/stream_probe.py)
+        return jit.KernelSpec.make("sm90/probe/stream_rate.cu", "megamoe_stream_rate",
+                                   dict(PROBE_TOKENS=64, PROBE_STAGES=stages, PROBE_CHUNKS=4, PROBE_CLUSTER=1,
+                                        PROBE_SHARE=0))
 
     record = tmp_path / "run" / "specs.jsonl"
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(tmp_path / "first"))
     monkeypatch.delenv("VLLM_MEGAMOE_JIT_RECORD", raising=False)
-    a = g.kernel_spec(g.GroupedGemmConfig(block_tokens=8))
+    a = probe(2)
     jit.compile_kernel(a, "nvrtc")
     assert not record.exists()  # nothing recorded without the variable
     monkeypatch.setenv("VLLM_MEGAMOE_JIT_RECORD", str(record))
-    b = g.kernel_spec(g.GroupedGemmConfig(block_tokens=16))
+    b = probe(4)
     for spec in (a, b, a):  # a from the cache, b compiled, a again: two lines
         jit.compile_kernel(spec, "nvrtc")
     assert jit.read_specs(record) == [a, b] and len(record.read_text().splitlines()) == 2
@@ -228,7 +232,7 @@ def test_recorded_specs_precompile_into_the_cache(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("VLLM_MEGAMOE_CACHE_DIR", str(second))
     assert cli.main(["precompile", str(record), "--compiler", "nvrtc"]) == 0
     out = capsys.readouterr().out
-    assert out.count("compiled megamoe_grouped_gemm") == 2 and "2 compiled, 0 already there" in out
+    assert out.count("compiled megamoe_stream_rate") == 2 and "2 compiled, 0 already there" in out
     keys = {jit.cache_key(spec, "nvrtc")[:40] for spec in (a, b)}
     assert {p.stem.rsplit("-", 1)[1] for p in second.glob("*.cubin")} == keys
     assert cli.main(["precompile", str(record), "--compiler", "nvrtc"]) == 0

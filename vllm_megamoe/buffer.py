@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .errors import BarrierTimeoutError, PeerAccessError
 from .layout import BufferLayout
-from .plugin.settings import core_setting, unknown_environment_names
+from .settings import setting, unknown_environment_names
 from .shape import MoEShape, require
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,11 @@ SHM_PREFIX = "vllm_megamoe-"
 
 
 def default_timeout_s() -> float:
-    return core_setting("timeout_s")
+    return setting("timeout_s")
 
 
 def shm_dir() -> str:
-    return core_setting("shm_dir")
+    return setting("shm_dir")
 
 
 def normalize_device(device) -> torch.device:

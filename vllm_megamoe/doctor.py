@@ -25,7 +25,7 @@ def _version(module: str) -> str:
 
 
 def _vllm_version() -> str:
-    from .plugin import CHECKED_VLLM_RELEASES, checked_vllm_release
+    from .vllm_releases import CHECKED_VLLM_RELEASES, checked_vllm_release
     found = _version("vllm")
     if found[:1].isdigit():
         checked = ", ".join(CHECKED_VLLM_RELEASES)

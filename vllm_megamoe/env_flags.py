@@ -1,9 +1,7 @@
-"""On/off environment variables, read the same way everywhere: the plugin's settings accept
-1/0, true/false, yes/no and on/off for a flag, so the core reading a variable itself must too
+"""The spellings of an on/off value, the same everywhere: vllm_megamoe/settings.py (the one reader
+of the VLLM_MEGAMOE_* variables) and the probes' options accept 1/0, true/false, yes/no and on/off
 (`VLLM_MEGAMOE_JIT_LINEINFO=true` used to be read as off)."""
 from __future__ import annotations
-
-import os
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
@@ -27,15 +25,3 @@ def parse_auto_flag(raw: object) -> bool | None:
         return parse_flag(raw)
     except ValueError:
         raise ValueError("must be auto or a boolean (1/0, true/false, yes/no, on/off)") from None
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """The flag `name` from the environment (unset or empty: `default`); a bad value is an error
-    that names the variable."""
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return default
-    try:
-        return parse_flag(raw)
-    except ValueError as e:
-        raise ValueError(f"{name}={raw!r} {e}") from None

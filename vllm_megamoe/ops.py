@@ -7,7 +7,6 @@ VLLM_MEGAMOE_PATH=portable|sm90|sm100 forces one (an impossible choice is an err
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from typing import Optional
 
@@ -16,6 +15,7 @@ import torch
 from . import portable, transforms
 from .buffer import SymmBuffer
 from .errors import UnsupportedError
+from .settings import setting
 from .shape import MoEShape, require
 from .weights import ExpertWeights, transform_weights_for_mega_moe
 
@@ -27,9 +27,7 @@ PATHS = ("portable", "sm90", "sm100")
 def select_path(shape: MoEShape, fmt: str, device, num_ranks: int = 1) -> tuple[str, str]:
     """(path, reason) for a layer of `shape` in format `fmt` on `device` with `num_ranks` EP ranks."""
     device = torch.device(device)
-    forced = os.environ.get("VLLM_MEGAMOE_PATH", "auto").strip().lower() or "auto"  # as the plugin reads it
-    require(forced in PATHS + ("auto",),
-            f"VLLM_MEGAMOE_PATH={forced!r} must be one of {PATHS + ('auto',)}")
+    forced = setting("path")  # auto | portable | sm90 | sm100; a bad value is a ValueError naming it
     if device.type != "cuda":
         if forced not in ("auto", "portable"):
             raise UnsupportedError(f"VLLM_MEGAMOE_PATH={forced} needs a CUDA GPU; device is {device}")

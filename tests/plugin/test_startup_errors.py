@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_megamoe.plugin import startup
-from vllm_megamoe.plugin.settings import CONFIG_ENV, KEYS, load_settings
+from vllm_megamoe.settings import CONFIG_ENV, KEYS, load_settings
 
 
 def _config_error(check):

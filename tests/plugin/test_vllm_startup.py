@@ -115,7 +115,7 @@ def test_vllm_knows_the_plugin_variables(monkeypatch):
     from vllm import envs
     from vllm.platforms import current_platform
 
-    from vllm_megamoe.plugin.settings import CONFIG_ENV, KEYS
+    from vllm_megamoe.settings import CONFIG_ENV, KEYS
     if not isinstance(getattr(envs, "environment_variables", None), dict) or not hasattr(
             current_platform, "validate_environ"):
         pytest.skip("this vLLM keeps no table of its variables (the plugin then declares none; docs/serving.md)")

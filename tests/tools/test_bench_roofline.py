@@ -10,7 +10,7 @@ from benchmarks import report
 from benchmarks import roofline as rf
 from benchmarks.timing import drop_first_call, stats_us, summarize_kernel_events
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEGACY = os.path.join(ROOT, "benchmarks", "results", "portable_ep2.json")
 V4 = rf.Shape(4096, 2048, 256, 6)
 

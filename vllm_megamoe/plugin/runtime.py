@@ -17,7 +17,7 @@ from .. import ops
 from ..buffer import SymmBuffer
 from ..errors import UnsupportedError
 from ..shape import MoEShape
-from .settings import Settings, load_settings
+from ..settings import Settings, load_settings
 
 # Under the "vllm" logger tree so the lines show in vLLM's log format and level.
 logger = logging.getLogger("vllm.plugins.megamoe")

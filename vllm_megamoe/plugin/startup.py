@@ -27,7 +27,7 @@ PREFIX = "megamoe: error: "
 def declare_environment_variables(envs_module=None) -> int:
     """Add the plugin's variables to vLLM's table of known ones; returns how many were added (0
     where this vLLM keeps no such table: it then warns about them, which is harmless)."""
-    from .settings import CONFIG_ENV, KEYS
+    from ..settings import CONFIG_ENV, KEYS
     if envs_module is None:
         try:
             import vllm.envs as envs_module

@@ -31,12 +31,13 @@ from typing import Optional
 
 import torch
 
-from . import portable_activation, portable_combine, portable_gemm, quant
-from .buffer import SymmBuffer
-from .errors import MegaMoEError
-from .reference import swiglu
-from .shape import MoEShape, check_tensor, require
-from .weights import ExpertWeights, derived
+from .. import quant
+from . import activation, combine, gemm
+from ..buffer import SymmBuffer
+from ..errors import MegaMoEError
+from ..reference import swiglu
+from ..shape import MoEShape, check_tensor, require
+from ..weights import ExpertWeights, derived
 
 MODES = ("auto", "exact", "padded")
 # Bits of the workspace error flag (shared with csrc/sm90/mega/config.cuh).
@@ -160,15 +161,15 @@ def _expert_mlp_grouped(rows_q, rows_s, pair_weights, weights: ExpertWeights, cl
     FP8 weights stay FP8 (Triton block-scaled grouped GEMM, FP32 accumulation); BF16 weights
     use torch._grouped_mm.
     """
-    if weights.format == "fp8-block" and portable_gemm.available(rows_q.device):
-        gate_up = portable_gemm.grouped_fp8_block_gemm(
+    if weights.format == "fp8-block" and gemm.available(rows_q.device):
+        gate_up = gemm.grouped_fp8_block_gemm(
             rows_q.contiguous(), rows_s.contiguous(), weights.w13, weights.w13_scale, ends)
-        if portable_activation.activation_setting() == "triton":
-            act_q, act_s = portable_activation.swiglu_quantize_fp8(gate_up, pair_weights.contiguous(), ends, clamp)
+        if activation.activation_setting() == "triton":
+            act_q, act_s = activation.swiglu_quantize_fp8(gate_up, pair_weights.contiguous(), ends, clamp)
         else:
             act = swiglu(gate_up.float(), clamp, round_to_bf16=True) * pair_weights[:, None]
             act_q, act_s = quant.quantize_fp8_tokens(act, 128, "float")
-        return portable_gemm.grouped_fp8_block_gemm(act_q, act_s, weights.w2, weights.w2_scale, ends)
+        return gemm.grouped_fp8_block_gemm(act_q, act_s, weights.w2, weights.w2_scale, ends)
     w13, w2 = _dense_weights(weights, torch.bfloat16)
     rows = _dequantized(rows_q, rows_s).to(torch.bfloat16)
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
@@ -188,8 +189,8 @@ def _write_combine(buffer: SymmBuffer, peer: int, slots, tokens, out_rows, valid
 
 
 def _reduce(buffer: SymmBuffer, topk_idx, t: int, h: int) -> torch.Tensor:
-    if topk_idx.is_cuda and portable_combine.reduce_setting() == "triton":
-        return portable_combine.reduce_slots(buffer, topk_idx, h)
+    if topk_idx.is_cuda and combine.reduce_setting() == "triton":
+        return combine.reduce_slots(buffer, topk_idx, h)
     k = topk_idx.shape[1]
     slots = buffer.view("combine")[:k, :t, :h].float()  # [K, T, H]
     mask = (topk_idx >= 0).T.unsqueeze(-1)               # [K, T, 1]
@@ -269,8 +270,8 @@ def _forward_padded(buffer, shape, weights, clamp, bound: int):
                                   torch.cumsum(counts, 0).to(torch.int32))
     else:  # CPU runs of the padded mode (tests): host counts are fine here
         out = _expert_mlp_loop(pair_q, pair_s, w, weights, clamp, counts.tolist())
-    if pair_q.is_cuda and portable_combine.scatter_setting() == "triton":
-        portable_combine.scatter_to_peers(buffer, out.contiguous(), src, slot, tok, valid)
+    if pair_q.is_cuda and combine.scatter_setting() == "triton":
+        combine.scatter_to_peers(buffer, out.contiguous(), src, slot, tok, valid)
         return
     for p in range(buffer.num_ranks):
         _write_combine(buffer, p, slot, tok, out, valid & (src == p))

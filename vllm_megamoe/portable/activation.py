@@ -9,8 +9,8 @@ scales: the arithmetic of `reference.swiglu(..., round_to_bf16=True) * weight` f
 `quant.quantize_fp8_tokens(..., 128, "float")` (the same clamp, amax floor, scale and
 round-to-nearest division; silu's exp may differ from torch's in the last bits).
 
-VLLM_MEGAMOE_PORTABLE_ACTIVATION (portable_settings.py): auto (the default: triton when it
-imports), triton or torch.
+Developer setting portable_kernels `activation=` (vllm_megamoe/settings.py): auto (the default:
+triton when it imports), triton or torch.
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from typing import Optional
 
 import torch
 
-from . import portable_settings, quant
-from .shape import check_tensor, require
+from .. import quant, settings
+from ..shape import check_tensor, require
 
 GROUP = 128
 
 
 def activation_setting() -> str:
     """The activation step on CUDA with FP8 weights: "triton" or "torch"."""
-    return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_ACTIVATION")
+    return settings.portable_kernel("activation")
 
 
 @functools.lru_cache(maxsize=None)

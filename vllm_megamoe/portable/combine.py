@@ -1,5 +1,6 @@
 """The portable path's combine step on CUDA with Triton: the writes of the padded (CUDA-graph)
-mode, and the top-k reduce (VLLM_MEGAMOE_PORTABLE_REDUCE, `auto` by default: Triton where it imports).
+mode, and the top-k reduce (developer setting portable_kernels, `auto` by default: Triton where it
+imports; vllm_megamoe/settings.py).
 
 The padded mode has a fixed number of output rows (every pair a peer may send), most of them
 masked. Written with `index_put` per peer, every row goes to every peer's buffer (masked rows
@@ -7,15 +8,14 @@ into that peer's trash row) as 2-byte element stores, over NVLink for remote pee
 instead copies each live row once, to the peer that owns its token, with 16-byte vector stores,
 and skips masked rows: the bytes that cross NVLink are the live rows only.
 
-VLLM_MEGAMOE_PORTABLE_SCATTER (portable_settings.py): auto (the default: this kernel when Triton
-imports), triton, or torch (the index_put version). On 2 x H200 (EP2, FP8, 8 and 128 tokens per
-rank, V4-Flash-like and DeepSeek-V3-like) the portable path took 0.89-0.98x of its index_put time
-with this kernel.
+portable_kernels `scatter=`: auto (the default: this kernel when Triton imports), triton, or torch
+(the index_put version). On 2 x H200 (EP2, FP8, 8 and 128 tokens per rank, V4-Flash-like and
+DeepSeek-V3-like) the portable path took 0.89-0.98x of its index_put time with this kernel.
 
 The reduce, y[t] = sum over live slots k of combine[k][t] in FP32, is four torch kernels over a
 float copy of all K slots (convert, mask, sum, round); `reduce_slots` reads each live slot row
-once and writes y. VLLM_MEGAMOE_PORTABLE_REDUCE: auto (the default: triton when it imports),
-triton or torch. With the Triton activation (portable_activation.py) the portable path took
+once and writes y. portable_kernels `reduce=`: auto (the default: triton when it imports),
+triton or torch. With the Triton activation (activation.py) the portable path took
 0.91-0.97x of its all-torch time (2 x H200, the same four cases).
 """
 from __future__ import annotations
@@ -24,18 +24,18 @@ import functools
 
 import torch
 
-from . import portable_settings
-from .shape import check_tensor, require
+from .. import settings
+from ..shape import check_tensor, require
 
 
 def scatter_setting() -> str:
     """The combine scatter the padded mode uses on CUDA: "triton" or "torch"."""
-    return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_SCATTER")
+    return settings.portable_kernel("scatter")
 
 
 def reduce_setting() -> str:
     """The top-k reduce on CUDA: "triton" or "torch"."""
-    return portable_settings.kernel_choice("VLLM_MEGAMOE_PORTABLE_REDUCE")
+    return settings.portable_kernel("reduce")
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .shape import check_tensor, require
+from ..shape import check_tensor, require
 
 BLOCK_K = 128
 

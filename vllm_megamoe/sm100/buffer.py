@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..plugin.settings import unknown_environment_names
+from ..settings import unknown_environment_names
 from ..shape import MoEShape, require
 from . import act_quant
 from .discovery import DeepGemmApi
