@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import pytest
 
@@ -49,6 +48,7 @@ gpu = pytest.mark.gpu
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 RUNNER = os.path.join(HERE, "vllm_e2e_runner.py")
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "plugin"))  # vllm_helpers.Server
 
 MEAN_DELTA = {"bf16": 0.08, "fp8-block": 0.15}
 AGREEMENT = {"bf16": 0.97, "fp8-block": 0.93}
@@ -295,59 +295,24 @@ def test_sleep_mode_releases_and_restores(models):
     assert kept["megamoe"] <= kept[None] + 0.5, kept
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@gpu
-def test_vllm_serve_answers_completions(models, tmp_path):
+def test_vllm_serve_answers_completions(models):
     """`vllm serve MODEL --moe-backend megamoe` (CUDA graphs) on loopback: /v1/completions with token
     id prompts returns the greedy tokens of the offline megamoe engine (near-ties aside)."""
     from vllm_e2e_runner import GREEDY_TOKENS, prompts
-    port = _free_port()
+    from vllm_helpers import Server  # tests/plugin: the CPU serve tests' server
     model = models["qwen3"]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--moe-backend", "megamoe",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
-           "--max-num-batched-tokens", "2048", "--max-num-seqs", "32", "--seed", "0",
-           "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]), "--no-enable-prefix-caching",
-           "--compilation-config", json.dumps(MODES["full_decode_only"]["compilation_config"])]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(KERNEL_ENV),
-                                start_new_session=True)
-    try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-6000:]}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.time() < deadline, f"vllm serve not ready:\n{log_path.read_text()[-6000:]}"
-                time.sleep(1)
-        got = {"token_ids": [], "logprobs": [], "margins": []}
+    args = [model, "--moe-backend", "megamoe", "--dtype", "bfloat16", "--max-model-len", "512",
+            "--max-num-batched-tokens", "2048", "--max-num-seqs", "32", "--seed", "0",
+            "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]), "--no-enable-prefix-caching",
+            "--compilation-config", json.dumps(MODES["full_decode_only"]["compilation_config"])]
+    got = {"token_ids": [], "logprobs": [], "margins": []}
+    with Server(args, env=KERNEL_ENV, timeout=600) as server:
         for p in prompts():
-            body = {"model": model, "prompt": p, "max_tokens": GREEDY_TOKENS, "temperature": 0,
-                    "logprobs": 2, "ignore_eos": True, "return_token_ids": True}
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                choice = json.load(r)["choices"][0]
+            choice = server.complete(model, p, max_tokens=GREEDY_TOKENS)["choices"][0]
             got["token_ids"].append(choice["token_ids"])
             got["logprobs"].append(choice["logprobs"]["token_logprobs"])
             got["margins"].append([0.0] * len(choice["token_ids"]))
-    finally:
-        import signal
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert_ran(log_path.read_text(), "sm90", QWEN3_LAYERS)
+        log = server.log()
+    assert_ran(log, "sm90", QWEN3_LAYERS)
     offline = run_engine(model, "megamoe", "full_decode_only", env=KERNEL_ENV)
     check_greedy(got, offline["greedy"], "bf16")
-
