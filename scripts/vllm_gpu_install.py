@@ -22,7 +22,6 @@ import hashlib
 import json
 import lzma
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import tarfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_gpu_pack import sha256_file  # noqa: E402  (stdlib only, like this script)
+from vllm_gpu_pack import norm, sha256_file  # noqa: E402  (stdlib only, like this script)
 HOME = os.environ.get("MEGAMOE_VLLM_HOME", "/tmp/megamoe-vllm")
 CHUNKS = os.path.join(HOME, "chunks")
 SITE = os.path.join(HOME, "site")
@@ -111,10 +110,6 @@ def dist_version(name: str):
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def vllm_requirements(dist_info: str) -> dict:
